@@ -1,0 +1,83 @@
+"""Start a single-node torchrun job from Python (tests, CLI) without leaving processes behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Mapping, Sequence
+
+
+class TorchrunError(RuntimeError):
+    """A torchrun job failed or timed out; the message ends with the tail of its output."""
+
+    def __init__(self, message: str, result: subprocess.CompletedProcess[str]) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    # Another process may take the port before torchrun binds it; rare enough on one machine.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def torchrun(
+    nproc: int,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300.0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    tail_chars: int = 6000,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m torch.distributed.run --nproc-per-node nproc ... *argv`` and wait.
+
+    ``argv`` is what follows torchrun's own options: a script and its arguments, or
+    ``["-m", "module", ...]``. ``env`` is added to the current environment (``OMP_NUM_THREADS``
+    defaults to 1). Returns the completed process with text stdout/stderr; raises
+    ``TorchrunError`` on a non-zero exit or on timeout, after killing the whole process group.
+    """
+    port = master_port or free_port(master_addr)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(nproc),
+        "--master-addr", master_addr,
+        "--master-port", str(port),
+        *argv,
+    ]
+    full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+    # A new session makes torchrun and its workers one process group we can kill together.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
+    )
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+            proc.wait()
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if timed_out or proc.returncode != 0:
+        why = f"timed out after {timeout:g} s" if timed_out else f"exited with code {proc.returncode}"
+        raise TorchrunError(
+            f"torchrun {why}: {' '.join(cmd)}\n--- stdout tail ---\n{out[-tail_chars:]}"
+            f"\n--- stderr tail ---\n{err[-tail_chars:]}",
+            result,
+        )
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,108 @@
+"""The accelerator this process runs on: CUDA + nccl, Intel XPU + xccl (or oneCCL's ccl), or CPU + gloo.
+
+xfuser 0.7.0 assumes CUDA-like devices in many places; :mod:`cocodiff_xfuser.integration`
+routes those places through the :class:`Platform` detected here. Nothing in this module
+patches anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """A device type and the process-group backend that talks between its devices."""
+
+    name: str  # "cuda", "xpu" or "cpu"
+    dist_backend: str  # "nccl", "xccl", "ccl" or "gloo"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.name == "cuda"
+
+    def device(self, local_rank: int) -> torch.device:
+        if self.name == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.name, local_rank)
+
+    def set_device(self, local_rank: int) -> None:
+        if self.name != "cpu":
+            getattr(torch, self.name).set_device(local_rank)
+
+    def synchronize(self) -> None:
+        if self.name != "cpu":
+            getattr(torch, self.name).synchronize()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        if self.name != "cpu":
+            getattr(torch, self.name).manual_seed_all(seed)
+
+    def event(self, enable_timing: bool = True):
+        """A timing event with the ``record``/``synchronize``/``elapsed_time`` API of ``torch.cuda.Event``."""
+        if self.name == "cpu":
+            return HostEvent()
+        return getattr(torch, self.name).Event(enable_timing=enable_timing)
+
+
+class HostEvent:
+    """``torch.cuda.Event`` stand-in for CPU: records the host clock (CPU ops are synchronous)."""
+
+    def __init__(self, enable_timing: bool = True, **_: object) -> None:
+        self._t: float | None = None
+
+    def record(self, stream: object = None) -> None:
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: object = None) -> None:
+        pass
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        """Milliseconds from this event to ``end``, like ``torch.cuda.Event.elapsed_time``."""
+        if self._t is None or end._t is None:
+            raise RuntimeError("both events must be recorded before elapsed_time()")
+        return (end._t - self._t) * 1000.0
+
+
+def _xpu_available() -> bool:
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def _xpu_backend() -> str:
+    """torch's native ``xccl`` (torch >= 2.8); oneCCL's legacy ``ccl`` only when xccl is missing."""
+    if torch.distributed.is_xccl_available():
+        return "xccl"
+    if importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None:
+        import oneccl_bindings_for_pytorch  # noqa: F401  (registers the "ccl" backend)
+
+        logger.warning("cocodiff: torch has no xccl backend; falling back to legacy oneCCL bindings (ccl)")
+        return "ccl"
+    raise RuntimeError(
+        "Intel XPU found but torch has no 'xccl' process-group backend and oneccl_bindings_for_pytorch "
+        "is not installed; install torch>=2.8 built with XPU support"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def detect() -> Platform:
+    """The platform of this process, decided once: CUDA (or ROCm) first, then XPU, else CPU."""
+    if torch.cuda.is_available():
+        return Platform("cuda", "nccl")
+    if _xpu_available():
+        return Platform("xpu", _xpu_backend())
+    return Platform("cpu", "gloo")
