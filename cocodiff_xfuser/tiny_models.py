@@ -224,7 +224,7 @@ def _runner_class(spec: TinySpec, base_model) -> type:
                 output_type=input_args.get("output_type") or "pil",
                 **spec.call_kwargs(input_args),
             )
-            return base_model.DiffusionOutput(images=output.images, pipe_args=input_args)
+            return base_model.DiffusionOutput(images=list(output.images), pipe_args=input_args)
 
     TinyRunner.__name__ = TinyRunner.__qualname__ = "Tiny" + "".join(p.title() for p in spec.name.split("-")[1:])
     return TinyRunner

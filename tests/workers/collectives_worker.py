@@ -1,0 +1,334 @@
+"""Distributed test cases for collectives.py and autotune.py, run under torchrun (gloo, CPU).
+
+Usage: torchrun --nproc-per-node N collectives_worker.py --cases a,b,c [--tmpdir DIR]
+
+All cases run in one process start (torchrun start-up dominates on small machines). A failing
+check raises, which makes torchrun exit non-zero; rank 0 prints ``CASE <name> ok`` after every
+case that passed on all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import cocodiff_xfuser.autotune as autotune
+from cocodiff_xfuser.autotune import AutoAllToAll
+from cocodiff_xfuser.collectives import (
+    FlatHandle,
+    HierarchicalAllToAll,
+    HierarchicalHandle,
+    flat_all_to_all,
+    start_flat_all_to_all,
+)
+from cocodiff_xfuser.topology import Topology
+
+RANK = WORLD = 0
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn]
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(f"rank {RANK}: {msg}")
+
+
+def rand_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bit patterns (NaNs included): only bitwise comparison is meaningful."""
+    gen = torch.Generator().manual_seed(seed * 1000 + RANK)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    numel = 1
+    for s in shape:
+        numel *= s
+    return torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
+
+
+def make_groups(groups: list[list[int]]):
+    """Create one process group per list (collective); return this rank's group."""
+    mine = None
+    for g in groups:
+        pg = dist.new_group(g)
+        if RANK in g:
+            mine = pg
+    return mine
+
+
+def check_against_flat(hier: HierarchicalAllToAll, group, size: int, dtypes=DTYPES, tag: str = "") -> None:
+    shapes = [(size,), (size * 3,), (size * 257,), (2 * size, 3, 5)]
+    for seed, (dtype, shape) in enumerate((d, s) for d in dtypes for s in shapes):
+        x = rand_bits(shape, dtype, seed)
+        x_before = x.clone()
+        ref = flat_all_to_all(x, group)
+        got = hier(x, group)
+        check(same_bits(ref, got), f"{tag} {dtype} {shape}: hierarchical != flat")
+        check(same_bits(hier.start(x, group).wait(), ref), f"{tag} {dtype} {shape}: async != flat")
+        check(same_bits(x, x_before), f"{tag} {dtype} {shape}: input modified")
+
+
+def case_semantics() -> None:
+    """The flat exchange itself: out[s] on rank r is chunk r of rank s."""
+    c = 5
+    x = torch.tensor([RANK * 1000 + d * 10 + i for d in range(WORLD) for i in range(c)], dtype=torch.float32)
+    want = torch.tensor([s * 1000 + RANK * 10 + i for s in range(WORLD) for i in range(c)], dtype=torch.float32)
+    check(torch.equal(flat_all_to_all(x), want), "flat all-to-all semantics")
+    topo = {4: "2x2", 8: "2x2x2"}[WORLD]
+    check(torch.equal(HierarchicalAllToAll(Topology.parse(topo), [range(WORLD)])(x), want), "hierarchical semantics")
+
+
+def case_layouts() -> None:
+    """World-wide Ulysses group on every topology of this world size."""
+    expected = {4: {"2x2": (2, 2)}, 8: {"2x4": (2, 4), "4x2": (4, 2), "2x2x2": (2, 2, 2)}}[WORLD]
+    for spec, levels in expected.items():
+        hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
+        check(hier.levels() == levels, f"{spec}: levels {hier.levels()} != {levels}")
+        check_against_flat(hier, dist.group.WORLD, WORLD, tag=spec)
+
+
+def case_subgroups() -> None:
+    """Ulysses groups that are sub-groups of the world (ring / CFG degrees > 1)."""
+    layouts = {
+        4: [
+            ("2x2", [[0, 1], [2, 3]], ()),  # ulysses 2 x ring 2: inside a node, one level
+            ("2x2", [[0, 2], [1, 3]], ()),  # strided ulysses: across nodes, one level
+        ],
+        8: [
+            ("4x2", [[0, 1, 2, 3], [4, 5, 6, 7]], (2, 2)),  # ulysses 4 x ring 2, or cfg 2 x ulysses 4
+            ("2x2x2", [[0, 2, 4, 6], [1, 3, 5, 7]], (2, 2)),  # strided: spans node and gpu
+            ("2x2x2", [[0, 1, 4, 5], [2, 3, 6, 7]], (2, 2)),  # spans node and tile
+            ("4x2", [[0, 2, 4, 6], [1, 3, 5, 7]], ()),  # one level (4 nodes)
+            ("2x2x2", [[0, 1], [2, 3], [4, 5], [6, 7]], ()),  # ulysses 2: tiles only
+            ("2x4", [[0, 1, 3, 6], [2, 4, 5, 7]], ()),  # irregular: flat fallback
+        ],
+    }[WORLD]
+    for spec, groups, levels in layouts:
+        group = make_groups(groups)
+        hier = HierarchicalAllToAll(Topology.parse(spec), groups)
+        check(hier.levels(group) == levels, f"{spec} {groups}: levels {hier.levels(group)} != {levels}")
+        check(hier.levels() == (), f"{spec} {groups}: world group must have no plan")
+        size = len(next(g for g in groups if RANK in g))
+        check_against_flat(hier, group, size, [torch.float32, torch.bfloat16], tag=f"{spec} {groups}")
+        if not levels:
+            handle = hier.start(torch.zeros(size), group)
+            check(isinstance(handle, FlatHandle), "flat fallback expected")
+            handle.wait()
+
+
+def case_async() -> None:
+    """Several exchanges in flight, advanced differently on different ranks."""
+    spec = {4: "2x2", 8: "2x2x2"}[WORLD]
+    topo = Topology.parse(spec)
+    hier = HierarchicalAllToAll(topo, [list(range(WORLD))])
+    n = WORLD * 4096
+    xs = [rand_bits((n,), torch.float32, 100 + i) for i in range(5)]
+    refs = [flat_all_to_all(x) for x in xs]
+    # Ranks whose second-phase coordinate is 1 push exchange A ahead; their peers in that
+    # sub-group do not. Launch order per sub-group must still agree (same-size exchanges would
+    # silently swap data otherwise).
+    eager = topo.coords(RANK)[-2] == 1
+    a = hier.start(xs[0])
+    check(isinstance(a, HierarchicalHandle), "hierarchical handle expected")
+    if eager:
+        deadline = time.monotonic() + 0.3
+        while not a.progress() and time.monotonic() < deadline:
+            time.sleep(0.001)
+    b = hier.start(xs[1])
+    c = start_flat_all_to_all(xs[2])
+    e = hier.start(xs[4], pollable=False)
+    d = hier(xs[3])  # blocking call while others are in flight (as autotune would do)
+    if not eager:
+        b.progress()
+    got_b = b.wait()  # waiting B first forces A's pending launches first
+    got = [a.wait(), got_b, c.wait(), d, e.wait()]
+    for i, (g, r) in enumerate(zip(got, refs)):
+        check(same_bits(g, r), f"in-flight exchange {i} differs from flat")
+    check(all(h.progress() for h in (a, b, c, e)), "progress after wait")
+    check(a.wait() is got[0], "wait must be idempotent")
+    # Results must not alias reusable buffers: later exchanges must not change them. A fresh
+    # plan starts with an empty buffer pool, which makes reuse patterns deterministic.
+    fresh = HierarchicalAllToAll(topo, [list(range(WORLD))])
+    got = []
+    for i in range(6):
+        x = rand_bits((n,), torch.float32, 200 + i)
+        got.append(fresh.start(x).wait() if i % 2 else fresh(x))
+    kept = [g.clone() for g in got]
+    for i in range(6):
+        fresh.start(rand_bits((n,), torch.float32, 300 + i)).wait()
+        fresh(rand_bits((n,), torch.float32, 400 + i))
+    for g, k in zip(got, kept):
+        check(same_bits(g, k), "a returned tensor was overwritten by a later exchange")
+
+
+def case_uneven() -> None:
+    """Uneven splits: flat exchange, and the hierarchical entry point falls back to it."""
+    ins = [(RANK + d) % 3 + 1 for d in range(WORLD)]
+    outs = [(s + RANK) % 3 + 1 for s in range(WORLD)]
+    x = torch.tensor([[RANK * 100 + d * 10 + i] * 2 for d in range(WORLD) for i in range(ins[d])], dtype=torch.float32)
+    want = torch.tensor([[s * 100 + RANK * 10 + i] * 2 for s in range(WORLD) for i in range(outs[s])], dtype=torch.float32)
+    check(torch.equal(flat_all_to_all(x, None, outs, ins), want), "uneven flat")
+    hier = HierarchicalAllToAll(Topology.parse({4: "2x2", 8: "2x2x2"}[WORLD]), [list(range(WORLD))])
+    handle = hier.start(x, None, outs, ins)
+    check(isinstance(handle, FlatHandle), "uneven splits must use the flat exchange")
+    check(torch.equal(handle.wait(), want), "uneven via hierarchical entry point")
+    check(torch.equal(hier(x, None, outs, ins), want), "uneven blocking via hierarchical entry point")
+
+
+class _CountingTimer:
+    """Wraps autotune.time_interleaved to count measurements."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._orig = autotune.time_interleaved
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self._orig(*args, **kwargs)
+
+
+class _Slowed:
+    """A HierarchicalAllToAll whose blocking exchange is slow on one rank."""
+
+    def __init__(self, inner: HierarchicalAllToAll, slow_rank: int) -> None:
+        self.inner, self.slow_rank, self.topology = inner, slow_rank, inner.topology
+
+    def levels(self, group=None):
+        return self.inner.levels(group)
+
+    def start(self, *args, **kwargs):
+        return self.inner.start(*args, **kwargs)
+
+    def __call__(self, x, group=None):
+        if RANK == self.slow_rank:
+            time.sleep(0.02)
+        return self.inner(x, group)
+
+
+class _LogCounter(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _agreed(value) -> bool:
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, value)
+    return all(v == everyone[0] for v in everyone)
+
+
+def case_autotune(tmpdir: str) -> None:
+    hier = HierarchicalAllToAll(Topology.parse("2x2"), [list(range(WORLD))])
+    timer = _CountingTimer()
+    autotune.time_interleaved = timer
+    log = _LogCounter()
+    logger = logging.getLogger("cocodiff_xfuser")
+    logger.addHandler(log)
+    logger.setLevel(logging.INFO)
+    try:
+        xs = [torch.randn(WORLD * 4096), torch.randn(WORLD * 4000), torch.randn(WORLD * 65536)]
+        tuner = AutoAllToAll(hier)
+        choices = [tuner.choose(x) for x in xs]
+        check(timer.calls == 2, f"first two sizes share a bucket: expected 2 measurements, got {timer.calls}")
+        check(_agreed([(k, d.algorithm) for k, d in sorted(tuner.decisions.items())]), "ranks disagree")
+        check([tuner.choose(x) for x in xs] == choices and timer.calls == 2, "cached decision re-measured")
+        check(sum("bucket" in m for m in log.messages) == 2, f"expected 2 decision logs: {log.messages}")
+        for x in xs:
+            ref = flat_all_to_all(x)
+            check(same_bits(tuner(x), ref) and same_bits(tuner.start(x).wait(), ref), "tuned exchange != flat")
+
+        # MAX over ranks: one slow rank decides for everyone.
+        slow_hier = AutoAllToAll(_Slowed(hier, slow_rank=0))
+        check(slow_hier.choose(xs[0]) == "flat", "hierarchical slow on rank 0: all ranks must pick flat")
+        orig_flat = autotune.flat_all_to_all
+
+        def slow_flat(x, group=None):
+            if RANK == 1:
+                time.sleep(0.02)
+            return orig_flat(x, group)
+
+        autotune.flat_all_to_all = slow_flat
+        try:
+            check(AutoAllToAll(hier).choose(xs[0]) == "hierarchical", "flat slow on rank 1: all must pick hierarchical")
+        finally:
+            autotune.flat_all_to_all = orig_flat
+
+        # Overrides and groups without a hierarchical plan never measure.
+        calls = timer.calls
+        check(AutoAllToAll(hier, mode="flat").choose(xs[0]) == "flat", "flat override")
+        check(AutoAllToAll(hier, mode="hierarchical").choose(xs[0]) == "hierarchical", "hierarchical override")
+        pairs = [[0, 1], [2, 3]]
+        pair = make_groups(pairs)
+        one_level = AutoAllToAll(HierarchicalAllToAll(Topology.parse("2x2"), pairs), mode="hierarchical")
+        check(one_level.choose(xs[0], pair) == "flat", "a one-level group must use flat")
+        check(AutoAllToAll(None).choose(xs[0]) == "flat", "no hierarchical plan: flat")
+        check(timer.calls == calls, "overrides must not measure")
+        try:
+            AutoAllToAll(hier, mode="fast")
+            check(False, "invalid mode accepted")
+        except ValueError:
+            pass
+
+        # JSON round trip: rank 0 writes, every rank imports, nothing is re-measured.
+        path = os.path.join(tmpdir, "a2a_decisions.json")
+        if RANK == 0:
+            tuner.export_json(path)
+        dist.barrier()
+        loaded = AutoAllToAll(hier)
+        loaded.import_json(path)
+        check(loaded.decisions == tuner.decisions, "JSON round trip changed decisions")
+        check(loaded.to_dict() == json.loads(json.dumps(tuner.to_dict())), "to_dict round trip")
+        calls = timer.calls
+        check([loaded.choose(x) for x in xs] == choices and timer.calls == calls, "imported decisions re-measured")
+        if RANK == 0:
+            print("DECISIONS " + json.dumps(tuner.to_dict()), flush=True)
+    finally:
+        autotune.time_interleaved = timer._orig
+        logger.removeHandler(log)
+
+
+CASES = {
+    "semantics": case_semantics,
+    "layouts": case_layouts,
+    "subgroups": case_subgroups,
+    "async": case_async,
+    "uneven": case_uneven,
+    "autotune": case_autotune,
+}
+
+
+def main() -> None:
+    global RANK, WORLD
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--tmpdir", default=".")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    try:
+        for name in args.cases.split(","):
+            t0 = time.perf_counter()
+            fn = CASES[name]
+            fn(args.tmpdir) if name == "autotune" else fn()
+            dist.barrier()
+            if RANK == 0:
+                print(f"CASE {name} ok {time.perf_counter() - t0:.2f}s", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
