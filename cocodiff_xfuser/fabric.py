@@ -79,7 +79,7 @@ PRESETS = ("shared-uplink", "rail", "aurora-like")
 MTU = 9000
 TBF_MIN_LIMIT_BYTES = 6 * 1024 * 1024  # measured here: tbf limit < 4 MB stalls TCP
 TBF_MIN_BURST_BYTES = 128 * 1024  # >= one 64 KiB GSO super-packet
-TBF_BURST_SECONDS = 0.004  # burst = 4 ms of line rate (or the minimum above)
+TBF_BURST_SECONDS = 0.001  # burst = 1 ms of line rate (or the minimum above)
 
 #: Aurora's published figures (per direction), the source of the aurora-like ratios.
 #: - 8 HPE Slingshot-11 NICs per node (ALCF Aurora machine overview); Slingshot ports are

@@ -1,9 +1,11 @@
-"""One image generation through xfuser's own runner, as ``xdit`` does it; run under torchrun.
+"""Image generation through xfuser's own runner, as ``xdit`` does it; run under torchrun.
 
-``python -m cocodiff_xfuser.generate --out DIR <xdit runner flags>`` runs the pipeline with
-exactly the flags a user would give ``xdit`` and, on the last rank (the one xfuser saves
-from), writes ``images.npy`` (float images in [0, 1]) and ``result.json`` (timings, config).
-``verify``, ``demo`` and the benchmarks compare such outputs.
+``python -m cocodiff_xfuser.generate --out DIR [--backends ulysses,cocodiff] <xdit flags>``
+runs the pipeline with the flags a user would give ``xdit`` (``--model`` may list several,
+comma-separated), once per model and backend (one
+process start for all of them: start-up dominates on small machines), and on the last rank
+(the one xfuser saves from) writes ``DIR/<model>/<backend>/images.npy`` (float images in
+[0, 1]) and ``result.json``. ``verify``, ``demo``, the benchmarks and the tests read these.
 """
 
 from __future__ import annotations
@@ -17,41 +19,58 @@ from pathlib import Path
 import numpy as np
 
 
+def output_dir(out: Path, model: str, backend: str) -> Path:
+    return out / model.replace("/", "--") / backend
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--out", required=True, type=Path)
+    ours.add_argument("--backends", default=None, help="comma-separated; default: the --sp_backend flag")
     ours.add_argument("--save-png", action="store_true")
     mine, runner_argv = ours.parse_known_args(argv)
 
+    from xfuser import xFuserArgs
     from xfuser.config import FlexibleArgumentParser
     from xfuser.core.utils.runner_utils import is_last_process
-    from xfuser import xFuserArgs
     from xfuser.runner import xFuserModelRunner
 
-    args = vars(xFuserArgs.add_runner_args(FlexibleArgumentParser()).parse_args(runner_argv))
-    runner = xFuserModelRunner(args)
-    input_args = runner.preprocess_args(args)
-    input_args["output_type"] = "np"
-    runner.initialize(input_args)
-    output, timings = runner.run(input_args)
-    if is_last_process():
-        mine.out.mkdir(parents=True, exist_ok=True)
-        images = np.stack([np.asarray(image) for image in output.images])
-        np.save(mine.out / "images.npy", images)
-        if mine.save_png:
-            from diffusers.utils import numpy_to_pil
+    parser = xFuserArgs.add_runner_args(FlexibleArgumentParser())
+    base = vars(parser.parse_args(runner_argv))
+    models = base["model"].split(",")
+    backends = mine.backends.split(",") if mine.backends else [base["sp_backend"]]
+    runner = None
+    for model in models:
+        for backend in backends:
+            args = {**base, "model": model, "sp_backend": backend}
+            runner = xFuserModelRunner(args)
+            input_args = runner.preprocess_args(args)
+            input_args["output_type"] = "np"
+            runner.initialize(input_args)
+            output, timings = runner.run(input_args)
+            if is_last_process():
+                _save(output_dir(mine.out, model, backend), output, timings, args, mine.save_png)
+    if runner is not None:
+        runner.cleanup()
 
-            for i, image in enumerate(numpy_to_pil(images)):
-                image.save(mine.out / f"image_{i}.png")
-        result = {
-            "model": args["model"],
-            "sp_backend": args.get("sp_backend"),
-            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "seconds": timings[-1] if timings else None,
-        }
-        (mine.out / "result.json").write_text(json.dumps(result))
-    runner.cleanup()
+
+def _save(out: Path, output, timings: list, args: dict, save_png: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    images = np.stack([np.asarray(image) for image in output.images])
+    np.save(out / "images.npy", images)
+    if save_png:
+        from diffusers.utils import numpy_to_pil
+
+        for i, image in enumerate(numpy_to_pil(images)):
+            image.save(out / f"image_{i}.png")
+    result = {
+        "model": args["model"],
+        "sp_backend": args["sp_backend"],
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "seconds": timings[-1] if timings else None,
+    }
+    (out / "result.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

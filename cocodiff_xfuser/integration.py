@@ -227,6 +227,20 @@ def _patch_runtime_state(rs: types.ModuleType) -> None:
             _target(rs, name)
             setattr(rs, name, plat.manual_seed)
     _wrap(rs.RuntimeState, "_check_distributed_env", _activating_backend)
+    if plat.name == "cpu":
+        _wrap(rs.RuntimeState, "_select_attention_backend", _cpu_default_attention)
+
+
+def _cpu_default_attention(original):
+    def _select_attention_backend(self, engine_config=None):
+        backend = original(self, engine_config)
+        explicit = engine_config is not None and engine_config.runtime_config.attention_backend
+        # xfuser's CPU default, SDPA, returns no LSE and so cannot run ring attention.
+        if not explicit and backend.name == "SDPA":
+            return type(backend).SDPA_FLASH
+        return backend
+
+    return _select_attention_backend
 
 
 def _patch_placement(placement: types.ModuleType) -> None:
@@ -255,22 +269,22 @@ def _patch_placement(placement: types.ModuleType) -> None:
 
 
 def _patch_attention_backends(ab: types.ModuleType) -> None:
-    """On CPU, give the SDPA backends an implementation that returns the log-sum-exp ring attention needs."""
+    """On CPU, back ``SDPA_FLASH`` (CUDA-only in xfuser) with torch's CPU flash kernel.
+
+    It returns the log-sum-exp that ring attention merges with; plain ``SDPA`` does not, so
+    xfuser refuses it under ring parallelism.
+    """
     if _platform().name != "cpu":
         return
     import torch
 
-    def cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, attention_kwargs=None, **_):
-        out, lse, *_rest = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    def cpu_flash_attention(query, key, value, dropout_p=0.0, is_causal=False, attention_kwargs=None):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p=dropout_p, is_causal=is_causal
         )
         return out, lse
 
-    registry = _target(ab, "ATTENTION_FUNCTION_REGISTRY")
-    for name in ("SDPA", "SDPA_FLASH", "SDPA_EFFICIENT", "SDPA_MATH", "SDPA_CUDNN"):
-        member = getattr(ab.AttentionBackendType, name, None)
-        if member is not None:
-            registry[member] = cpu_attention
+    _target(ab, "ATTENTION_FUNCTION_REGISTRY")[_target(ab.AttentionBackendType, "SDPA_FLASH")] = cpu_flash_attention
 
 
 def _patch_generator_devices(pipeline_module: types.ModuleType) -> None:

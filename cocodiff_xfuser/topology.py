@@ -36,6 +36,10 @@ class Level:
     size: int
     bandwidth_gbps: float | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(f"level {self.name!r}: size must be a positive integer, got {self.size!r}")
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -44,9 +48,6 @@ class Topology:
     def __post_init__(self) -> None:
         if not self.levels:
             raise ValueError("a topology needs at least one level")
-        for level in self.levels:
-            if not isinstance(level.size, int) or isinstance(level.size, bool) or level.size < 1:
-                raise ValueError(f"level {level.name!r}: size must be a positive integer, got {level.size!r}")
 
     @property
     def sizes(self) -> tuple[int, ...]:

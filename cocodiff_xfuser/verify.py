@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from cocodiff_xfuser import launcher, tiny_models
+from cocodiff_xfuser.generate import output_dir
 from cocodiff_xfuser.topology import Topology
 
 REFERENCE = "stock-ulysses"
@@ -45,8 +46,8 @@ class Run:
         if self.topology is not None:
             Topology.parse(self.topology).validate(self.world_size)
 
-    def argv(self, sp_backend: str, out: Path, save_png: bool = False) -> list[str]:
-        argv = ["-m", "cocodiff_xfuser.generate", "--out", str(out)]
+    def argv(self, backends: Sequence[str], out: Path, save_png: bool = False) -> list[str]:
+        argv = ["-m", "cocodiff_xfuser.generate", "--out", str(out), "--backends", ",".join(backends)]
         argv += ["--save-png"] if save_png else []
         argv += [
             "--model", tiny_models.SPECS[self.model].model_id,
@@ -54,22 +55,25 @@ class Run:
             "--ring_degree", str(self.ring_degree),
             "--prompt", PROMPT,
             "--seed", str(self.seed),
-            "--sp_backend", sp_backend,
         ]
         for flag, value in (("--num_inference_steps", self.steps), ("--height", self.height), ("--width", self.width)):
             if value is not None:
                 argv += [flag, str(value)]
-        if sp_backend == "cocodiff" and self.topology:
+        if self.topology:
             argv += ["--cocodiff_topology", self.topology]
         return argv + list(self.extra)
 
 
-def generate(run: Run, sp_backend: str, out: Path, timeout: float = 600.0, save_png: bool = False) -> dict:
-    """Run one generation under torchrun; returns its result.json with the images added."""
-    launcher.torchrun(run.world_size, run.argv(sp_backend, out, save_png), timeout=timeout)
-    result = json.loads((out / "result.json").read_text())
-    result["images"] = np.load(out / "images.npy")
-    return result
+def generate(
+    run: Run, backends: Sequence[str], out: Path, timeout: float = 600.0, save_png: bool = False
+) -> dict[str, dict]:
+    """One torchrun job generating with each backend in turn; backend -> result.json plus images."""
+    launcher.torchrun(run.world_size, run.argv(backends, out, save_png), timeout=timeout)
+    results = {}
+    for backend in backends:
+        where = output_dir(out, tiny_models.SPECS[run.model].model_id, backend)
+        results[backend] = {**json.loads((where / "result.json").read_text()), "images": np.load(where / "images.npy")}
+    return results
 
 
 def compare(reference: np.ndarray, candidate: np.ndarray) -> dict:
@@ -86,8 +90,8 @@ def verify(run: Run, timeout: float = 600.0, workdir: Path | None = None) -> dic
     run.check()
     tiny_models.ensure_fixture(run.model)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        stock = generate(run, "ulysses", Path(tmp) / "stock", timeout)
-        ours = generate(run, "cocodiff", Path(tmp) / "cocodiff", timeout)
+        results = generate(run, ("ulysses", "cocodiff"), Path(tmp), timeout)
+    stock, ours = results["ulysses"], results["cocodiff"]
     return {
         "model": run.model,
         "ulysses_degree": run.ulysses_degree,
