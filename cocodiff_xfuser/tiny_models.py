@@ -29,17 +29,23 @@ class TinySpec:
 
     name: str
     pipeline: str  # diffusers pipeline class
-    wrapper: str  # "module:Class" of the xfuser transformer wrapper
+    # "module:Class" of the xfuser class that xfuser's own runner loads this family with: a
+    # transformer wrapper (FLUX, Qwen-Image, Wan: ``loader.load_transformer``) or an
+    # ``xFuser*Pipeline`` wrapper (SD3, PixArt: ``from_pretrained(..., engine_config=...)``).
+    wrapper: str
     heads: int
     text_len: int
     text_dim: int
     build: Callable[[], dict]  # component name -> module or scheduler
-    call_kwargs: Callable[[dict], dict]  # input args -> pipeline kwargs besides generator
+    call_kwargs: Callable[[dict], dict]  # input args -> pipeline kwargs (text embeddings, guidance overrides)
     pooled_dim: int | None = None
     height: int = 64
     width: int = 64
     steps: int = 4
     guidance_scale: float = 3.5
+    frames: int | None = None  # video models: frames to generate, returned as the runner's images
+    wrapper_kwargs: Callable[[object], dict] | None = None  # xFuserArgs -> transformer wrapper init kwargs
+    runner_sets_input: bool = False  # the runner, not the pipeline, calls set_input_parameters (FLUX)
     extra_capabilities: dict = field(default_factory=dict)
 
     @property
@@ -100,10 +106,166 @@ def _flux() -> dict:
     }
 
 
-def _flux_call(args: dict) -> dict:
-    embeds, pooled = prompt_embeddings(args["prompt"], 32, 32, 32)
-    return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+def _sd3() -> dict:
+    """SD3.5-medium layout: MMDiT blocks, the first with a second image-only attention, RMS QK-norm."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
+    return {
+        "transformer": SD3Transformer2DModel(
+            sample_size=32,
+            patch_size=2,
+            in_channels=16,
+            num_layers=3,
+            attention_head_dim=16,
+            num_attention_heads=8,
+            joint_attention_dim=32,
+            caption_projection_dim=128,
+            pooled_projection_dim=32,
+            out_channels=16,
+            pos_embed_max_size=32,
+            dual_attention_layers=(0, 1),
+            qk_norm="rms_norm",
+        ),
+        "vae": _small_vae(16),
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+    }
+
+
+def _qwen_image() -> dict:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
+    return {
+        "transformer": QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=8,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+        ),
+        # One spatial downsampling: pipeline scale factor 2, as for the other tiny models.
+        "vae": AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]),
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, use_dynamic_shifting=True
+        ),
+    }
+
+
+def _wan() -> dict:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
+    return {
+        "transformer": WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=8,
+            attention_head_dim=16,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=256,
+            num_layers=2,
+            rope_max_seq_len=64,
+        ),
+        # One spatio-temporal downsampling: 5 frames -> 3 latent frames, 48x48 -> 24x24.
+        "vae": AutoencoderKLWan(
+            base_dim=16,
+            z_dim=16,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True],
+            scale_factor_temporal=2,
+            scale_factor_spatial=2,
+        ),
+        "scheduler": UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
+    }
+
+
+def _pixart() -> dict:
+    """PixArt-Sigma layout (no micro-conditions, learned sigma)."""
+    from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
+
+    return {
+        "transformer": PixArtTransformer2DModel(
+            num_attention_heads=8,
+            attention_head_dim=16,
+            in_channels=4,
+            out_channels=8,
+            num_layers=2,
+            cross_attention_dim=128,
+            sample_size=32,
+            patch_size=2,
+            caption_channels=32,
+            use_additional_conditions=False,
+            interpolation_scale=1,
+        ),
+        "vae": _small_vae(4),
+        "scheduler": DPMSolverMultistepScheduler(),
+    }
+
+
+def _embeds(args: dict, length: int, dim: int, pooled_dim: int | None = None, negative: bool = True) -> dict:
+    """Prompt (and, for CFG, negative prompt) embeddings as the diffusers pipelines name them."""
+    embeds, pooled = prompt_embeddings(args["prompt"], length, dim, pooled_dim)
+    kwargs = {"prompt_embeds": embeds}
+    if pooled is not None:
+        kwargs["pooled_prompt_embeds"] = pooled
+    if negative:
+        neg, neg_pooled = prompt_embeddings(args.get("negative_prompt") or "", length, dim, pooled_dim)
+        kwargs["negative_prompt_embeds"] = neg
+        if neg_pooled is not None:
+            kwargs["negative_pooled_prompt_embeds"] = neg_pooled
+    return kwargs
+
+
+def _token_mask(prompt: str | list[str], length: int) -> torch.Tensor:
+    """Attention mask of a padded tokenization: one token per word plus an end token."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    mask = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, text in enumerate(prompts):
+        mask[row, : min(length, len(text.split()) + 1)] = 1
+    return mask
+
+
+def _flux_call(args: dict) -> dict:
+    return _embeds(args, 32, 32, 32, negative=False)
+
+
+def _sd3_call(args: dict) -> dict:
+    return _embeds(args, 32, 32, 32)
+
+
+def _qwen_image_call(args: dict) -> dict:
+    # Qwen-Image's CFG is "true CFG" (a second transformer call); guidance_scale is for
+    # guidance-distilled checkpoints only. One prompt has no padding: the mask is all ones.
+    kwargs = _embeds(args, 32, 32)
+    kwargs["prompt_embeds_mask"] = torch.ones(kwargs["prompt_embeds"].shape[:2], dtype=torch.long)
+    kwargs["negative_prompt_embeds_mask"] = torch.ones(kwargs["negative_prompt_embeds"].shape[:2], dtype=torch.long)
+    return {**kwargs, "true_cfg_scale": args["guidance_scale"], "guidance_scale": None}
+
+
+def _wan_call(args: dict) -> dict:
+    return _embeds(args, 32, 32)
+
+
+def _pixart_call(args: dict) -> dict:
+    kwargs = _embeds(args, 32, 32)
+    kwargs["prompt_attention_mask"] = _token_mask(args["prompt"], 32)
+    kwargs["negative_prompt_attention_mask"] = _token_mask(args.get("negative_prompt") or "", 32)
+    # negative_prompt defaults to "", which PixArt refuses next to negative_prompt_embeds.
+    # Resolution binning would resize to a trained aspect-ratio bucket; tiny models have none.
+    return {**kwargs, "negative_prompt": None, "use_resolution_binning": False, "max_sequence_length": 32}
+
+
+def _wan_wrapper_kwargs(config) -> dict:
+    from xfuser.model_executor.models.runner_models.wan import _build_attention_kwargs
+
+    return {"attention_kwargs": _build_attention_kwargs(config)}
+
+
+_XFUSER = "xfuser.model_executor"
 
 SPECS: dict[str, TinySpec] = {
     spec.name: spec
@@ -111,13 +273,62 @@ SPECS: dict[str, TinySpec] = {
         TinySpec(
             name="tiny-flux",
             pipeline="FluxPipeline",
-            wrapper="xfuser.model_executor.models.transformers.transformer_flux:xFuserFlux1Transformer2DWrapper",
+            wrapper=f"{_XFUSER}.models.transformers.transformer_flux:xFuserFlux1Transformer2DWrapper",
             heads=8,
             text_len=32,
             text_dim=32,
             pooled_dim=32,
             build=_flux,
             call_kwargs=_flux_call,
+            runner_sets_input=True,
+        ),
+        TinySpec(
+            name="tiny-sd3",
+            pipeline="StableDiffusion3Pipeline",
+            wrapper=f"{_XFUSER}.pipelines.pipeline_stable_diffusion_3:xFuserStableDiffusion3Pipeline",
+            heads=8,
+            text_len=32,
+            text_dim=32,
+            pooled_dim=32,
+            build=_sd3,
+            call_kwargs=_sd3_call,
+        ),
+        TinySpec(
+            name="tiny-qwen-image",
+            pipeline="QwenImagePipeline",
+            wrapper=f"{_XFUSER}.models.transformers.transformer_qwen:xFuserQwenImageTransformerWrapper",
+            heads=8,
+            text_len=32,
+            text_dim=32,
+            build=_qwen_image,
+            call_kwargs=_qwen_image_call,
+            guidance_scale=4.0,
+        ),
+        TinySpec(
+            name="tiny-wan",
+            pipeline="WanPipeline",
+            wrapper=f"{_XFUSER}.models.transformers.transformer_wan:xFuserWanTransformer3DWrapper",
+            heads=8,
+            text_len=32,
+            text_dim=32,
+            build=_wan,
+            call_kwargs=_wan_call,
+            height=48,
+            width=48,
+            frames=5,
+            guidance_scale=5.0,
+            wrapper_kwargs=_wan_wrapper_kwargs,
+        ),
+        TinySpec(
+            name="tiny-pixart",
+            pipeline="PixArtSigmaPipeline",
+            wrapper=f"{_XFUSER}.pipelines.pipeline_pixart_sigma:xFuserPixArtSigmaPipeline",
+            heads=8,
+            text_len=32,
+            text_dim=32,
+            build=_pixart,
+            call_kwargs=_pixart_call,
+            guidance_scale=4.5,
         ),
     )
 }
@@ -182,6 +393,7 @@ def _runner_class(spec: TinySpec, base_model) -> type:
         default_input_values = base_model.DefaultInputValues(
             height=spec.height,
             width=spec.width,
+            num_frames=spec.frames,
             num_inference_steps=spec.steps,
             guidance_scale=spec.guidance_scale,
             max_sequence_length=spec.text_len,
@@ -196,25 +408,32 @@ def _runner_class(spec: TinySpec, base_model) -> type:
             import importlib
 
             import diffusers
+            from xfuser.model_executor.pipelines.base_pipeline import xFuserPipelineBaseWrapper
 
-            ensure_fixture(spec.name)
+            path = str(ensure_fixture(spec.name))
             module_name, cls_name = spec.wrapper.split(":")
             wrapper = getattr(importlib.import_module(module_name), cls_name)
+            absent = _absent_components(path)
+            if issubclass(wrapper, xFuserPipelineBaseWrapper):
+                # xfuser's SD3 runner path: the pipeline wrapper converts the transformer itself
+                # (when any parallelism is on) and runs its own denoising loop.
+                return wrapper.from_pretrained(path, engine_config=self.engine_config, dtype=DTYPE, **absent)
+            init_kwargs = spec.wrapper_kwargs(self.config) if spec.wrapper_kwargs else None
             # xfuser's loader materializes transformers in bf16; the tiny models compute in DTYPE.
-            transformer = self.loader.load_transformer(wrapper).to(DTYPE)
-            return getattr(diffusers, spec.pipeline).from_pretrained(
-                self.settings.model_name, transformer=transformer, dtype=DTYPE, **_absent_components(self.settings.model_name)
-            )
+            transformer = self.loader.load_transformer(wrapper, init_kwargs=init_kwargs).to(DTYPE)
+            return getattr(diffusers, spec.pipeline).from_pretrained(path, transformer=transformer, dtype=DTYPE, **absent)
 
         def _run_pipe(self, input_args: dict):
-            from xfuser.core.distributed import get_pipeline_parallel_world_size, get_runtime_state
+            if spec.runner_sets_input:
+                from xfuser.core.distributed import get_pipeline_parallel_world_size, get_runtime_state
 
-            get_runtime_state().set_input_parameters(
-                batch_size=1,
-                num_inference_steps=input_args["num_inference_steps"],
-                max_condition_sequence_length=spec.text_len,
-                split_text_embed_in_sp=get_pipeline_parallel_world_size() == 1,
-            )
+                get_runtime_state().set_input_parameters(
+                    batch_size=1,
+                    num_inference_steps=input_args["num_inference_steps"],
+                    max_condition_sequence_length=spec.text_len,
+                    split_text_embed_in_sp=get_pipeline_parallel_world_size() == 1,
+                )
+            kwargs = {"num_frames": input_args["num_frames"]} if spec.frames else {}
             output = self.pipe(
                 height=input_args["height"],
                 width=input_args["width"],
@@ -222,9 +441,15 @@ def _runner_class(spec: TinySpec, base_model) -> type:
                 guidance_scale=input_args["guidance_scale"],
                 generator=self._make_generator(input_args["seed"]),
                 output_type=input_args.get("output_type") or "pil",
-                **spec.call_kwargs(input_args),
+                **{**kwargs, **spec.call_kwargs(input_args)},
             )
-            return base_model.DiffusionOutput(images=list(output.images), pipe_args=input_args)
+            # xfuser's pipeline wrappers return None on ranks that do not decode. A video's frames
+            # (one prompt) become the images, so every saver handles them as it handles images.
+            if output is None:
+                images = []
+            else:
+                images = output.frames[0] if spec.frames else output.images
+            return base_model.DiffusionOutput(images=list(images), pipe_args=input_args)
 
     TinyRunner.__name__ = TinyRunner.__qualname__ = "Tiny" + "".join(p.title() for p in spec.name.split("-")[1:])
     return TinyRunner

@@ -1,0 +1,133 @@
+"""The xfuser patches: flag on both entry paths, guards, idempotence, bug workarounds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from cocodiff_xfuser import _finder, integration
+
+
+def _parser():
+    from xfuser.config import FlexibleArgumentParser
+
+    return FlexibleArgumentParser()
+
+
+@pytest.mark.parametrize("entry", ["add_cli_args", "add_runner_args"])
+def test_sp_backend_flag_on_both_entry_paths(entry):
+    from xfuser import xFuserArgs
+
+    parser = getattr(xFuserArgs, entry)(_parser())
+    assert parser.parse_args(["--model", "m"]).sp_backend == "ulysses"
+    args = parser.parse_args(["--model", "m", "--sp-backend", "cocodiff", "--cocodiff-topology", "2x2"])
+    assert (args.sp_backend, args.cocodiff_topology, args.cocodiff_a2a) == ("cocodiff", "2x2", "auto")
+
+
+def test_unknown_backend_is_rejected_by_the_parser():
+    from xfuser import xFuserArgs
+
+    parser = xFuserArgs.add_runner_args(_parser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--sp-backend", "megatron"])
+
+
+def test_backend_options_are_carried_into_engine_args():
+    from xfuser import xFuserArgs
+
+    runner = xFuserArgs.from_runner_args({"model": "m", "sp_backend": "cocodiff", "cocodiff_topology": "2x2"})
+    assert (runner.sp_backend, runner.cocodiff_topology) == ("cocodiff", "2x2")
+    cli = xFuserArgs.from_cli_args(xFuserArgs.add_cli_args(_parser()).parse_args(["--model", "m", "--sp_backend=cocodiff"]))
+    assert cli.sp_backend == "cocodiff"
+
+
+def test_patches_are_idempotent():
+    import xfuser.config.args as args_module
+    from xfuser import xFuserArgs
+
+    integration._patch_args(args_module)
+    integration._patch_args(args_module)
+    parser = xFuserArgs.add_runner_args(_parser())
+    assert sum(1 for action in parser._actions if "--sp_backend" in action.option_strings) == 1
+
+
+def test_missing_patch_target_is_a_clear_error():
+    with pytest.raises(integration.IncompatibleXfuser, match=r"fake\.gone not found"):
+        integration._target(types.ModuleType("fake"), "gone")
+
+
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        (["x", "--sp-backend", "cocodiff"], "", True),
+        (["x", "--sp_backend=cocodiff"], "", True),
+        (["x", "--sp-backend", "ulysses"], "", False),
+        (["x"], "cocodiff", True),
+        (["x"], "", False),
+    ],
+)
+def test_cocodiff_requested(argv, env, expected, monkeypatch):
+    monkeypatch.setenv(integration.BACKEND_ENV, env)
+    assert integration.cocodiff_requested(argv) is expected
+
+
+def test_version_guard(monkeypatch):
+    monkeypatch.setattr(integration, "_xfuser_version", lambda: "0.6.9")
+    integration._enabled.cache_clear()
+    try:
+        monkeypatch.setattr(sys, "argv", ["xdit"])
+        monkeypatch.delenv(integration.BACKEND_ENV, raising=False)
+        assert integration.is_hooked("xfuser.envs") is False  # stock users: silence
+        integration._enabled.cache_clear()
+        monkeypatch.setattr(sys, "argv", ["xdit", "--sp-backend", "cocodiff"])
+        with pytest.raises(integration.IncompatibleXfuser, match="xfuser==0.7.0"):
+            integration.is_hooked("xfuser.envs")
+    finally:
+        integration._enabled.cache_clear()
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
+
+
+def test_pth_installs_the_finder_and_the_switch_disables_it():
+    code = "import sys, cocodiff_xfuser._finder as f; print(any(isinstance(x, f.XfuserFinder) for x in sys.meta_path))"
+    assert _python(code).stdout.strip() == "True"
+    assert _python(code, **{_finder.DISABLE_ENV: "1"}).stdout.strip() == "False"
+
+
+def test_environment_variable_selects_the_default_backend():
+    code = (
+        "from xfuser import xFuserArgs; from xfuser.config import FlexibleArgumentParser;"
+        "print(xFuserArgs.add_runner_args(FlexibleArgumentParser()).parse_args(['--model', 'm']).sp_backend)"
+    )
+    result = _python(code, **{integration.BACKEND_ENV: "cocodiff"})
+    assert result.stdout.strip().splitlines()[-1] == "cocodiff", result.stderr[-2000:]
+
+
+def test_flux_padding_alias():
+    from xfuser.model_executor.models.transformers.transformer_flux import xFuserFlux1Transformer2DWrapper as W
+
+    assert W._pad_to_sp_divisible is W.pad_to_sp_divisible
+
+
+def test_sd3_image_only_attention_matches_diffusers(monkeypatch):
+    """The SD3.5 attn2 workaround computes what diffusers computes; USP (xfuser's) is plain SDPA here."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+    from xfuser.model_executor.layers import usp
+
+    from cocodiff_xfuser.processors.sd3 import image_only_joint_attention
+
+    monkeypatch.setattr(usp, "USP", lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
+    torch.manual_seed(0)
+    attn = Attention(query_dim=32, dim_head=8, heads=4, out_dim=32, qk_norm="rms_norm", processor=JointAttnProcessor2_0())
+    hidden = torch.randn(2, 16, 32)
+    torch.testing.assert_close(image_only_joint_attention(attn, hidden), attn(hidden), rtol=1e-5, atol=1e-5)
