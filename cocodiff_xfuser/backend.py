@@ -1,44 +1,91 @@
 """The cocodiff sequence-parallel backend of one process: its Ulysses group and exchange plan.
 
-:mod:`cocodiff_xfuser.integration` activates it after xfuser has built its process groups and
-sends every Ulysses all-to-all here. This module knows nothing about how it is wired in.
+:mod:`cocodiff_xfuser.integration` activates it once xfuser has built its process groups and
+sends every Ulysses all-to-all here; V-First processors start exchanges through it. This
+module knows nothing about how it is wired in.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-import torch.distributed._functional_collectives as ft_c
+from cocodiff_xfuser import topology as topo
+from cocodiff_xfuser.autotune import MODES, AutoAllToAll
+from cocodiff_xfuser.collectives import AllToAllHandle, HierarchicalAllToAll
 
 logger = logging.getLogger("cocodiff_xfuser")
 
 
-class CocodiffBackend:
-    """Runs the Ulysses exchanges of one process over its Ulysses group."""
+@dataclass(frozen=True)
+class Options:
+    """What a user chose on the command line (``--cocodiff_*`` flags)."""
 
-    def __init__(self, group: dist.ProcessGroup, topology: str | None = None, algorithm: str = "auto") -> None:
+    topology: str | None = None  # NxL[xT], a preset name/path, or None/"auto" to detect
+    algorithm: str = "auto"  # all-to-all: auto | flat | hierarchical
+    v_first: bool = False
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in MODES:
+            raise ValueError(f"--cocodiff_a2a {self.algorithm!r}: expected one of {', '.join(MODES)}")
+
+
+class _Reshaping:
+    """A handle over a flattened exchange that gives the result back in the input's shape."""
+
+    def __init__(self, handle: AllToAllHandle, shape: torch.Size) -> None:
+        self._handle, self._shape = handle, shape
+
+    def progress(self) -> bool:
+        return self._handle.progress()
+
+    def wait(self) -> torch.Tensor:
+        return self._handle.wait().reshape(self._shape)
+
+
+class CocodiffBackend:
+    """Runs the Ulysses exchanges of one process: flat or hierarchical, chosen per message size."""
+
+    def __init__(self, group: dist.ProcessGroup, options: Options) -> None:
         self.group = group
+        self.options = options
         self.world_size = dist.get_world_size(group)
-        self.topology = topology
-        self.algorithm = algorithm
+        # Collective over the world: every rank learns every Ulysses group, resolves the same
+        # topology and creates the same sub-groups in the same order.
+        groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(groups, dist.get_process_group_ranks(group))
+        spec = None if options.topology in (None, "", "auto") else options.topology
+        self.topology = topo.resolve(spec, dist.get_world_size())
+        hierarchical = HierarchicalAllToAll(self.topology, groups)
+        self.levels = hierarchical.levels(group)
+        self.exchange = AutoAllToAll(hierarchical, mode=options.algorithm)
+
+    def start(self, x: torch.Tensor) -> _Reshaping:
+        """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
+        return _Reshaping(self.exchange.start(x.flatten(), self.group), x.shape)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Equal-split all-to-all of ``x`` (any shape; chunks destination-major along the flattened data)."""
-        out = ft_c.all_to_all_single(x.flatten(), None, None, group=self.group)
-        return out.wait().reshape(x.shape)
+        return self.exchange(x.flatten(), self.group).reshape(x.shape)
+
+    def describe(self) -> str:
+        plan = "x".join(map(str, self.levels)) if self.levels else "flat only"
+        return (
+            f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
+            f"levels {plan}, all-to-all {self.options.algorithm}, V-First {'on' if self.options.v_first else 'off'}"
+        )
 
 
 _ACTIVE: CocodiffBackend | None = None
 
 
-def activate(group: dist.ProcessGroup, topology: str | None = None, algorithm: str = "auto") -> CocodiffBackend:
+def activate(group: dist.ProcessGroup, options: Options) -> CocodiffBackend:
     """Make this process's Ulysses exchanges go through cocodiff (collective over the world)."""
     global _ACTIVE
-    _ACTIVE = CocodiffBackend(group, topology, algorithm)
-    logger.info("cocodiff: sp backend active (ulysses group of %d ranks)", _ACTIVE.world_size)
+    _ACTIVE = CocodiffBackend(group, options)
+    logger.info("cocodiff: %s", _ACTIVE.describe())
     return _ACTIVE
 
 

@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--ring-degree", type=int, default=1)
     verify.add_argument("--topology", default=None, help="emulated NxL[xT] (nodes x ranks per node [x tiles])")
     verify.add_argument("--steps", type=int, default=None)
+    verify.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")
     verify.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun job")
     verify.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -8,6 +8,18 @@ cluster and :meth:`Fabric.bound_s` always use the same bandwidths.
 Standard library only (the bash script runs it with whatever Python it finds, and importing it
 must not pull torch).
 
+Usage::
+
+    from cocodiff_xfuser.fabric import Fabric, available
+    ok, why = available()                      # root + ip + tc + namespaces work here?
+    fab = Fabric("rail", nodes=2, local=2)
+    fab.bound_s("all_to_all", 16 * 2**20)      # physical lower bound, seconds
+    with fab:                                  # scripts/emulate_cluster.sh up ... down
+        r = fab.run(["python", "-m", "pkg.worker"], timeout=120)   # torchrun-style env per rank
+        print(r.returncode, fab.qdisc_stats())
+
+    python -m cocodiff_xfuser.fabric --bound rail --nodes 2 --local 2 --size-mib 16
+
 Rank layout (all presets): ``rank = node * local + local_rank`` (node-major, like torchrun).
 
 Presets (rates are line rates in bit/s per direction; every link is full duplex):
@@ -26,6 +38,23 @@ Presets (rates are line rates in bit/s per direction; every link is full duplex)
     :func:`aurora_emulated_rates`): the two tiles (stacks) of one GPU share an unlimited bridge
     (MDFI), each tile has a rate-limited Xe Link port to the node's GPU-to-GPU fabric, and the node's
     NICs are one rate-limited node uplink to a switch.  ``local`` = tiles per node (even).
+
+    Ratios and why.  What an all-to-all sees is the bandwidth each tile can inject into each level,
+    so those per-tile figures are kept and everything is divided by ONE constant:
+
+    * NIC share per tile: published 8 Slingshot-11 NICs x 200 Gb/s (25 GB/s) per node = 200 GB/s,
+      over 6 GPUs x 2 tiles = 16.7 GB/s per tile  ->  emulated 250 Mbit/s per tile (the constant:
+      1 emulated bit/s per ~533 real bit/s).  The node uplink is ``local x 250 Mbit/s`` (1 Gbit/s for
+      4 tiles), shared by the node's tiles like the real NICs are.
+    * Xe Link per tile: published 28 GB/s per Xe Link; 6 GPUs all-to-all, ASSUMED one link per GPU
+      pair, shared by the GPU's two tiles: 5 x 28 / 2 = 70 GB/s per tile = 4.2 x the NIC share ->
+      emulated 1.05 Gbit/s per tile port.  With fewer emulated GPUs per node the per-tile injection
+      ratio, not the link count, is preserved.
+    * Tile pair (MDFI, on package): fastest level; no citable figure found, emulated as an unlimited
+      bridge (CPU-bound: ~15 Gbit/s one-way measured here, i.e. >= 14x the Xe port).
+    * GPU -> NIC (PCIe Gen5 x16, published 64 GB/s per GPU vs a 33 GB/s NIC share): not a
+      bottleneck, emulated unlimited; inter-node traffic goes tile -> node router -> uplink and does
+      not use the Xe ports.
 
 Link classes and the bound
 --------------------------
@@ -77,7 +106,7 @@ PRESETS = ("shared-uplink", "rail", "aurora-like")
 
 #: Emulation-wide constants (also read by the bash script).
 MTU = 9000
-TBF_MIN_LIMIT_BYTES = 6 * 1024 * 1024  # measured here: tbf limit < 4 MB stalls TCP
+TBF_MIN_LIMIT_BYTES = 16 * 1024 * 1024  # tbf limit < 4 MB stalls TCP (measured); 16 MiB: no drops at 2x2
 TBF_MIN_BURST_BYTES = 128 * 1024  # >= one 64 KiB GSO super-packet
 TBF_BURST_SECONDS = 0.001  # burst = 1 ms of line rate (or the minimum above)
 
@@ -396,7 +425,7 @@ class Fabric:
         def tbf(bps: float) -> str:
             Bps = bps / 8.0
             burst = max(int(Bps * TBF_BURST_SECONDS), TBF_MIN_BURST_BYTES)
-            limit = max(TBF_MIN_LIMIT_BYTES, int(Bps * 0.05), 4 * burst)
+            limit = max(TBF_MIN_LIMIT_BYTES, int(Bps * 0.1))
             return f"rate {int(round(bps))}bit burst {burst} limit {limit}"
 
         env = {
@@ -425,8 +454,7 @@ class Fabric:
         args = ["--preset", self.preset, "--nodes", str(self.nodes), "--local", str(self.local),
                 "--id", self.fabric_id]
         for k, v in sorted(self.params.items()):
-            if v != DEFAULT_PARAMS[self.preset][k]:
-                args += ["--param", f"{k}={v:g}"]
+            args += ["--param", f"{k}={v:g}"]  # all of them: a running fabric must match exactly
         return args
 
     def _script(self, cmd: str, *args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:

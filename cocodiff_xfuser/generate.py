@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ours.add_argument("--backends", default=None, help="comma-separated; default: the --sp_backend flag")
     ours.add_argument("--save-png", action="store_true")
     mine, runner_argv = ours.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO)  # as xfuser's runner does
 
     from xfuser import xFuserArgs
     from xfuser.config import FlexibleArgumentParser

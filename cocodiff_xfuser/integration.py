@@ -376,9 +376,14 @@ def _add_backend_args(parser) -> None:
         default="auto",
         help="cocodiff: all-to-all algorithm; 'auto' measures flat vs hierarchical per message size.",
     )
+    group.add_argument(
+        "--cocodiff_v_first",
+        action="store_true",
+        help="cocodiff: V-First attention processors (V's exchange overlaps Q/K projection, norm and RoPE).",
+    )
 
 
-_BACKEND_KEYS = ("sp_backend", "cocodiff_topology", "cocodiff_a2a")
+_BACKEND_KEYS = ("sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first")
 
 
 def _patch_args(args_module: types.ModuleType) -> None:
@@ -444,11 +449,12 @@ def _activating_backend(original):
         if name == "cocodiff":
             from xfuser.core.distributed import get_sp_group
 
-            backend.activate(
-                get_sp_group().ulysses_group,
+            options = backend.Options(
                 topology=getattr(config, "cocodiff_topology", None),
                 algorithm=getattr(config, "cocodiff_a2a", None) or "auto",
+                v_first=bool(getattr(config, "cocodiff_v_first", False)),
             )
+            backend.activate(get_sp_group().ulysses_group, options)
         else:
             backend.deactivate()
 
@@ -470,7 +476,8 @@ def _swapping_processors_after(original, get_transformers):
         result = original(self, *args, **kwargs)
         from cocodiff_xfuser import backend, processors
 
-        if backend.active() is not None:
+        active = backend.active()
+        if active is not None and active.options.v_first:
             for transformer in get_transformers(self, result):
                 processors.install(transformer)
         return result

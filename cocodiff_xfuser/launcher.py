@@ -39,7 +39,7 @@ def torchrun(
     ``argv`` is what follows torchrun's own options: a script and its arguments, or
     ``["-m", "module", ...]``. ``env`` is added to the current environment (``OMP_NUM_THREADS``
     defaults to 1). Returns the completed process with text stdout/stderr; raises
-    ``TorchrunError`` on a non-zero exit or on timeout, after killing the whole process group.
+    ``TorchrunError`` on a non-zero exit or on timeout (after killing torchrun and its workers).
     """
     port = master_port or free_port(master_addr)
     cmd = [
@@ -50,7 +50,7 @@ def torchrun(
         *argv,
     ]
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
-    # A new session makes torchrun and its workers one process group we can kill together.
+    # Own session: the terminal's Ctrl-C reaches only us, and we clean up in ``finally``.
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
     )
@@ -59,11 +59,11 @@ def torchrun(
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc)
+        _kill_tree(proc.pid)
         out, err = proc.communicate()
     finally:
         if proc.poll() is None:
-            _kill_group(proc)
+            _kill_tree(proc.pid)
             proc.wait()
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if timed_out or proc.returncode != 0:
@@ -76,8 +76,43 @@ def torchrun(
     return result
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and every process below it.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process group
+    leaves the workers running (and holding our pipes). Stopping torchrun's group first keeps
+    it from spawning while its descendants are collected (Linux /proc).
+    """
+    _signal_group(pid, signal.SIGSTOP)
+    for child in [pid, *_descendants(pid)]:
+        _signal_group(child, signal.SIGKILL)
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
         pass
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # Field 4 is the parent pid; the command name (field 2) may contain spaces.
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found

@@ -30,6 +30,7 @@ class Run:
     height: int | None = None
     width: int | None = None
     seed: int = 42
+    v_first: bool = False
     extra: tuple[str, ...] = ()
 
     @property
@@ -59,6 +60,8 @@ class Run:
         for flag, value in (("--num_inference_steps", self.steps), ("--height", self.height), ("--width", self.width)):
             if value is not None:
                 argv += [flag, str(value)]
+        if self.v_first:
+            argv += ["--cocodiff_v_first"]
         if self.topology:
             argv += ["--cocodiff_topology", self.topology]
         return argv + list(self.extra)
@@ -97,6 +100,7 @@ def verify(run: Run, timeout: float = 600.0, workdir: Path | None = None) -> dic
         "ulysses_degree": run.ulysses_degree,
         "ring_degree": run.ring_degree,
         "topology": run.topology,
+        "v_first": run.v_first,
         "world_size": run.world_size,
         "reference": REFERENCE,
         **compare(stock["images"], ours["images"]),
@@ -123,6 +127,7 @@ def main(args, extra: Sequence[str] = ()) -> int:
         ring_degree=args.ring_degree,
         topology=args.topology,
         steps=args.steps,
+        v_first=args.v_first,
         extra=tuple(extra),
     )
     report = verify(run, timeout=args.timeout)

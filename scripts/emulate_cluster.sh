@@ -418,6 +418,13 @@ do_run() {
     [[ -z $want_p || $want_p == "$CCD_PRESET" ]] || die "fabric '$ID' is up as $CCD_PRESET, not $want_p"
     [[ -z $want_n || $want_n == "$CCD_NODES" ]] || die "fabric '$ID' has $CCD_NODES nodes, not $want_n"
     [[ -z $want_l || $want_l == "$CCD_LOCAL" ]] || die "fabric '$ID' has $CCD_LOCAL local ranks, not $want_l"
+    if ((${#PARAMS[@]})); then  # explicit parameters must match the running fabric's numbers
+      local have_env
+      have_env=$(grep -v -e '^CCD_ID=' -e '^CCD_OWNER=' "$STATE")
+      PRESET=$CCD_PRESET NODES=$CCD_NODES LOCAL=$CCD_LOCAL
+      load_preset
+      [[ "$have_env" == "$FABRIC_ENV" ]] || die "fabric '$ID' is up with other parameters ($(sed -n 's/^CCD_PARAMS=//p' "$STATE"))"
+    fi
     log "using fabric '$ID' that is already up ($CCD_PRESET ${CCD_NODES}x$CCD_LOCAL)"
   else
     QUIET_SAVE=$QUIET; QUIET=1
@@ -427,7 +434,8 @@ do_run() {
     QUIET=$QUIET_SAVE
     log "fabric '$ID' up for this run ($CCD_PRESET ${CCD_NODES}x$CCD_LOCAL)"
   fi
-  LOGDIR=${LOGDIR:-${TMPDIR:-/tmp}/ccd-$ID-run-$$}
+  local own_logdir=0
+  if [[ -z $LOGDIR ]]; then LOGDIR=${TMPDIR:-/tmp}/ccd-$ID-run-$$; own_logdir=1; fi
   mkdir -p "$LOGDIR"
   local W=$CCD_WORLD L=$CCD_LOCAL r n l ns master
   master=$(addr 0 0)
@@ -477,8 +485,11 @@ do_run() {
     sleep 0.1
   done
   kill_ranks
-  # a rank killed by us is not "the first failure"; report logs for the caller
-  ((W > 1)) && log "logs of ranks 1..$((W - 1)): $LOGDIR"
+  if ((rc == 0 && own_logdir && !TAG)); then
+    rm -rf "$LOGDIR"  # success: drop the default per-rank logs (pass --logdir to keep them)
+  elif ((W > 1)); then
+    log "logs of ranks 1..$((W - 1)): $LOGDIR"
+  fi
   return "$rc"
 }
 

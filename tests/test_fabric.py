@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -114,8 +116,6 @@ def test_routes_and_first_hops_are_consistent():
 
 
 def test_shell_env_and_validation():
-    import pytest
-
     env = dict(line.split("=", 1) for line in _fabric("rail", 2, 2).shell_env().splitlines())
     assert env["CCD_RATE_SPINE"] == "500000000" and env["CCD_WORLD"] == "4"
     limit = int(env["CCD_TBF_RAIL"].strip("'").split("limit ")[1])
@@ -131,8 +131,6 @@ def test_shell_env_and_validation():
 
 # =============================================================================== namespace tests
 def _need_fabric():
-    import pytest
-
     from cocodiff_xfuser.fabric import available
 
     ok, reason = available()
@@ -145,11 +143,12 @@ def _our_namespaces(prefix: str):
     return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
-def test_launcher_routes_exit_codes_timeout():
+@pytest.mark.parametrize("preset,nodes,local", [("shared-uplink", 2, 2), ("rail", 2, 2), ("aurora-like", 2, 4)])
+def test_built_routes_and_shaping_match_description(preset, nodes, local):
     _need_fabric()
-    f = _fabric("rail", 2, 2, fabric_id=f"u{os.getpid() % 100000}")
+    f = _fabric(preset, nodes, local, fabric_id=f"r{os.getpid() % 100000}")
     with f:
-        # the routes built by the script are the ones the description promises
+        # every sender's namespace routes every destination the way the description promises
         for s in range(f.world):
             for d in range(f.world):
                 if s == d:
@@ -157,19 +156,58 @@ def test_launcher_routes_exit_codes_timeout():
                 out = subprocess.run(["ip", "-n", f.namespace(s), "route", "get", f.rank_address(d)],
                                      capture_output=True, text=True, check=True).stdout
                 dev, gw = f.first_hop(s, d)
-                assert f" dev {dev} " in out and f"src {f.rank_address(s)}" in out, out
-                assert (f"via {gw} " in out) if gw else (" via " not in out), out
-        r = f.run(["sh", "-c", 'echo "R=$RANK W=$WORLD_SIZE L=$LOCAL_RANK G=$GROUP_RANK $MASTER_ADDR $GLOO_SOCKET_IFNAME"'],
+                assert f" dev {dev} " in out and f"src {f.rank_address(s)}" in out, (s, d, out)
+                assert (f"via {gw} " in out) if gw else (" via " not in out), (s, d, out)
+        # nothing outside the emulated ranks is reachable from a rank
+        r = subprocess.run(["ip", "-n", f.namespace(0), "route", "get", "8.8.8.8"], capture_output=True, text=True)
+        assert r.returncode != 0
+        # one tbf per direction of every shaped link
+        shaped = sum(2 * lc.count for lc in f.link_classes.values() if lc.shaped)
+        assert len(f.qdisc_stats()) == shaped
+    assert _our_namespaces(f.prefix) == []
+
+
+def test_launcher_exit_codes_timeout_and_env():
+    _need_fabric()
+    f = _fabric("rail", 2, 2, fabric_id=f"u{os.getpid() % 100000}")
+    with f:
+        r = f.run(["sh", "-c", 'echo "R=$RANK W=$WORLD_SIZE L=$LOCAL_RANK LW=$LOCAL_WORLD_SIZE G=$GROUP_RANK '
+                               '$MASTER_ADDR $GLOO_SOCKET_IFNAME OMP=$OMP_NUM_THREADS"'],
                   timeout=20, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        assert "R=0 W=4 L=0 G=0 10.77.0.10 eth0" in r.stdout
+        assert "R=0 W=4 L=0 LW=2 G=0 10.77.0.10 eth0 OMP=1" in r.stdout
         r = f.run(["sh", "-c", '[ "$RANK" = 2 ] && exit 3; sleep 20'], timeout=30, capture_output=True, text=True)
         assert r.returncode == 3, r.stderr
         t = time.time()
         r = f.run(["sleep", "30"], timeout=2, capture_output=True, text=True)
         assert r.returncode == 124 and time.time() - t < 10, r.stderr
-        assert f.is_up()  # runs on a fabric that was up leave it up
+        assert f.is_up()  # a run on a fabric that was already up leaves it up
     assert _our_namespaces(f.prefix) == []
+
+
+def test_down_cleans_a_crashed_run():
+    _need_fabric()
+    import signal
+
+    f = _fabric("shared-uplink", 2, 2, fabric_id=f"k{os.getpid() % 100000}")
+    p = subprocess.Popen(["bash", str(f.script), "run", "--preset", f.preset, "--id", f.fabric_id, "--",
+                          "sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 20
+        while time.time() < deadline and not f.is_up():
+            time.sleep(0.2)
+        assert f.is_up()
+        time.sleep(0.5)
+    finally:
+        p.send_signal(signal.SIGKILL)  # the launcher dies without its trap: fabric and ranks stay
+        p.wait()
+    pids = subprocess.run(["ip", "netns", "pids", f.namespace(0)], capture_output=True, text=True).stdout.split()
+    assert pids, "rank 0 should have survived its launcher"
+    f.down()
+    f.down()  # idempotent
+    assert _our_namespaces(f.prefix) == []
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "sleep" not in Path(f"/proc/{pid}/cmdline").read_text()
 
 
 def test_smoke_gloo_all_to_all_through_run():
@@ -187,7 +225,22 @@ def test_smoke_gloo_all_to_all_through_run():
 
 
 # =============================================================================== rank worker
+VARIANTS = ("flat", "two_phase", "flat_p2p", "two_phase_p2p")
+
+
 def _worker(mode: str, argv) -> int:
+    """Rank worker.  Variants of one equal-split all-to-all (node-major ranks, N nodes x L local):
+
+    flat           gloo ``all_to_all_single`` over all W ranks (the stock exchange);
+    two_phase      gloo ``all_to_all_single`` in the node group, then in the rail group (ranks with
+                   the same local index): intra-node first, then same-rail only;
+    *_p2p          the same exchanges as isend/irecv with ALL receives posted before any send.
+                   gloo's pairwise protocol sends its "ready to receive" notice on the same TCP
+                   stream as the data, so in ``all_to_all_single`` (send posted before recv) a late
+                   rank's notice can queue behind a whole chunk of its own data and serialise the
+                   two directions of a pair (measured: 2x on a 2-rank exchange).  Posting receives
+                   first removes that transport artefact; both pairs are reported.
+    """
     import argparse
     from datetime import timedelta
 
@@ -210,20 +263,37 @@ def _worker(mode: str, argv) -> int:
     node_groups = [dist.new_group(list(range(n * L, (n + 1) * L))) for n in range(N)]
     rail_groups = [dist.new_group(list(range(k, W, L))) for k in range(L)]
     g_node, g_rail = node_groups[node], rail_groups[local]
+    node_peers = list(range(node * L, (node + 1) * L))
+    rail_peers = list(range(local, W, L))
 
-    def flat(x, out):
-        dist.all_to_all_single(out, x)
-        return out
+    def exchange(recv, send, peers, group, p2p):
+        """recv[i] <- what peers[i] sends us; send[i] -> peers[i] (first dim = len(peers))."""
+        if not p2p:
+            dist.all_to_all_single(recv.view(-1), send.view(-1), group=group)
+            return
+        me = peers.index(rank)
+        P = len(peers)
+        order = [(me + i) % P for i in range(1, P)]
+        reqs = [dist.irecv(recv[(me - i) % P], peers[(me - i) % P]) for i in range(1, P)]
+        reqs += [dist.isend(send[j], peers[j]) for j in order]
+        recv[me].copy_(send[me])
+        for r in reqs:
+            r.wait()
 
-    def two_phase(x, out, tmp1, tmp2):
+    def flat(x, out, t1, t2, p2p):
+        exchange(out, x, list(range(W)), None, p2p)
+
+    def two_phase(x, out, t1, t2, p2p):
         # x: [W, c], chunk j goes to rank j = (m, k).  Phase 1 (node group): to local peer k go the
-        # chunks for (m, k) for all m.  Phase 2 (rail group k): to (m, k) go the L chunks for it.
+        # chunks for (m, k), all m.  Phase 2 (rail group k): to (m, k) go the L chunks for it.
         c = x.shape[1]
-        tmp1.view(L, N, c).copy_(x.view(N, L, c).transpose(0, 1))  # [k, m, c]
-        dist.all_to_all_single(tmp2, tmp1.view(L * N, c), group=g_node)  # tmp2: [l_src, m, c]
-        tmp1.view(N, L, c).copy_(tmp2.view(L, N, c).transpose(0, 1))     # [m, l_src, c]
-        dist.all_to_all_single(out, tmp1.view(N * L, c), group=g_rail)   # out: [n_src, l_src, c]
-        return out
+        t1.view(L, N, c).copy_(x.view(N, L, c).transpose(0, 1))            # [k, m, c]
+        exchange(t2.view(L, N * c), t1.view(L, N * c), node_peers, g_node, p2p)  # t2: [l_src, m, c]
+        t1.view(N, L, c).copy_(t2.view(L, N, c).transpose(0, 1))            # [m, l_src, c]
+        exchange(out.view(N, L * c), t1.view(N, L * c), rail_peers, g_rail, p2p)  # out: [n_src, l_src, c]
+
+    ops = {"flat": (flat, False), "two_phase": (two_phase, False),
+           "flat_p2p": (flat, True), "two_phase_p2p": (two_phase, True)}
 
     def make(c):
         x = torch.arange(W * c, dtype=torch.float32).view(W, c) + rank * 1e6
@@ -231,12 +301,14 @@ def _worker(mode: str, argv) -> int:
                               for s in range(W)])
         return x, expect, torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
 
-    # correctness (both variants), small
-    x, expect, out, t1, t2 = make(3)
-    assert torch.equal(flat(x, out), expect), f"flat all_to_all wrong on rank {rank}"
-    out.zero_()
-    assert torch.equal(two_phase(x, out, t1, t2), expect), f"two-phase exchange wrong on rank {rank}"
+    def check(c):
+        x, expect, out, t1, t2 = make(c)
+        for name, (fn, p2p) in ops.items():
+            out.fill_(-1)
+            fn(x, out, t1, t2, p2p)
+            assert torch.equal(out, expect), f"{name} exchange wrong on rank {rank}"
 
+    check(3)
     if mode == "smoke":
         dist.barrier()
         if rank == 0:
@@ -245,25 +317,60 @@ def _worker(mode: str, argv) -> int:
         dist.destroy_process_group()
         return 0
 
+    late_starts = [0]
+
+    def timed(fn):
+        # All ranks share this machine's CLOCK_MONOTONIC, so instead of "barrier -> op -> max over
+        # ranks" (a gloo barrier's exit skew reached ~20 ms here while the previous op's tail was
+        # still draining through the shaped queues) rank 0 names a common start instant T and the
+        # time is max over ranks of (end - T).  A rank that learns T too late starts late and the
+        # lateness is included (counted in late_starts).
+        dist.barrier()  # drain: every receiver has completed the previous op
+        t = torch.tensor([time.monotonic() + 0.05], dtype=torch.float64)
+        dist.broadcast(t, 0)
+        start = t.item()
+        wait = start - time.monotonic()
+        if wait < 0:
+            late_starts[0] += 1
+        elif wait > 0.003:
+            time.sleep(wait - 0.002)
+        while time.monotonic() < start:
+            pass
+        fn()
+        dt = torch.tensor([time.monotonic() - start], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return dt.item()
+
     results = {}
     for size_mib in [float(s) for s in a.sizes_mib.split(",")]:
         c = int(size_mib * MiB / 4 / W)
-        x, expect, out, t1, t2 = make(c)
-        assert torch.equal(two_phase(x, out, t1, t2), expect)
-        ops = {"flat": lambda: flat(x, out), "two_phase": lambda: two_phase(x, out, t1, t2)}
+        check(c)
+        x, _, out, t1, t2 = make(c)
         times = {k: [] for k in ops}
         for i in range(a.warmup + a.reps):
-            for name in ("flat", "two_phase") if i % 2 == 0 else ("two_phase", "flat"):
-                dist.barrier()
-                t0 = time.perf_counter()
-                ops[name]()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            order = VARIANTS[i % 4:] + VARIANTS[:i % 4]  # rotate: A B C D, B C D A, ...
+            for name in order:
+                fn, p2p = ops[name]
+                dt = timed(lambda: fn(x, out, t1, t2, p2p))
                 if i >= a.warmup:
-                    times[name].append(dt.item())
+                    times[name].append(dt)
         results[str(size_mib)] = times
+
+    # one-way bandwidth of the intra-node (unlimited) link: rank 0 -> rank 1, 16 MiB
+    intra = []
+    if L >= 2:
+        buf = torch.empty(4 * MiB, dtype=torch.float32)
+        for _ in range(5):
+            def one_way():
+                if rank == 0:
+                    dist.send(buf, 1)
+                elif rank == 1:
+                    dist.recv(buf, 0)
+            intra.append(timed(one_way))
     if rank == 0:
-        print("BENCH " + json.dumps({"world": W, "nodes": N, "local": L, "results": results}), flush=True)
+        print("BENCH " + json.dumps({"world": W, "nodes": N, "local": L, "results": results,
+                                     "intra_16mib_s": intra, "late_starts_rank0": late_starts[0]}),
+              flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -287,6 +394,7 @@ def _bench(argv) -> int:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
     report = []
+    med = statistics.median
     for preset in a.presets.split(","):
         fab = Fabric(preset, a.nodes, a.local, fabric_id=f"b{os.getpid() % 100000}")
         with fab:
@@ -300,22 +408,25 @@ def _bench(argv) -> int:
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith("BENCH "))
         res = json.loads(line[6:])
         drops = sum(s["dropped"] for s in stats)
-        print(f"\n== {preset} {a.nodes}x{a.local}  (tc tbf drops: {drops} on {len(stats)} shaped qdiscs)")
+        intra = res["intra_16mib_s"]
+        intra_txt = f", intra-node one-way 16 MiB: {16 * MiB * 8 / med(intra) / 1e9:.1f} Gbit/s" if intra else ""
+        print(f"\n== {preset} {a.nodes}x{a.local}: tc tbf drops {drops} on {len(stats)} shaped qdiscs{intra_txt}"
+              f", late starts (rank 0) {res['late_starts_rank0']}")
         for s in stats:
             if s["dropped"]:
-                print(f"   drops: {s['ns']} {s['dev']} {s['dropped']} of {s['sent_bytes'] / MiB:.0f} MiB sent")
-        print(f"   {'MiB/rank':>8} {'flat med':>9} {'flat min':>9} {'2ph med':>9} {'2ph min':>9} "
-              f"{'2ph/flat':>8} {'bound':>8} {'flat-route bound':>16}")
+                print(f"   drops: {s['ns']} {s['dev']} {s['dropped']} ({s['sent_bytes'] / MiB:.0f} MiB sent)")
+        print(f"   {'MiB/rank':>8} {'variant':>14} {'median':>8} {'min':>8}   bound: any algorithm / flat routes")
         for size, times in res["results"].items():
             size_b = float(size) * MiB
-            fm, f0 = statistics.median(times["flat"]), min(times["flat"])
-            tm, t0 = statistics.median(times["two_phase"]), min(times["two_phase"])
             b, bf = fab.bound_s("all_to_all", size_b), fab.bound_s("flat", size_b)
-            print(f"   {float(size):8.0f} {fm * 1e3:8.1f}ms {f0 * 1e3:8.1f}ms {tm * 1e3:8.1f}ms {t0 * 1e3:8.1f}ms "
-                  f"{tm / fm:8.2f} {b * 1e3:6.1f}ms {bf * 1e3:14.1f}ms")
+            for k, v in times.items():
+                print(f"   {float(size):8.0f} {k:>14} {med(v) * 1e3:6.1f}ms {min(v) * 1e3:6.1f}ms")
+            print(f"   {'':8} {'ratios':>14} two_phase/flat {med(times['two_phase']) / med(times['flat']):.2f}  "
+                  f"two_phase_p2p/flat_p2p {med(times['two_phase_p2p']) / med(times['flat_p2p']):.2f}  "
+                  f"(medians)   bound {b * 1e3:.1f}ms / {bf * 1e3:.1f}ms")
             report.append({"preset": preset, "nodes": a.nodes, "local": a.local, "size_mib": float(size),
-                           "flat_s": times["flat"], "two_phase_s": times["two_phase"],
-                           "bound_s": b, "flat_route_bound_s": bf, "tbf_drops": drops})
+                           "times_s": times, "bound_s": b, "flat_route_bound_s": bf, "tbf_drops": drops,
+                           "intra_16mib_s": intra})
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     return 0

@@ -1,0 +1,103 @@
+"""The Ulysses core shared by the V-First processors: split exchanges, then xfuser's attention.
+
+Stock xfuser exchanges Q, K and V together (``USP``) after Q/K normalization and RoPE. A
+V-First processor instead starts V's exchange as soon as V is projected
+(:func:`start_input_exchange`), computes Q/K while it is in flight, and hands everything to
+:func:`attention`, which exchanges Q and K, waits for V and runs the same attention function,
+ring merge and output exchange as ``USP``. The exchanges move the same bytes to the same
+places, so the output is bitwise that of stock Ulysses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from cocodiff_xfuser import backend, overlap
+
+logger = logging.getLogger("cocodiff_xfuser")
+_warned: set[str] = set()
+
+
+class PendingExchange:
+    """Sequence-sharded ``[b, h, s, d]`` tensors on their way to head-sharded ``[b, h/W, W*s, d]``."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], label: str) -> None:
+        b, h, s, d = tensors[0].shape
+        world = backend.active().world_size
+        self._shape = (len(tensors), b, h // world, d)
+        self._label = label
+        # Destination-major like xfuser's _combined_qkv_all_to_all: [W, n, b, h/W, s, d].
+        stacked = torch.stack(tensors).view(len(tensors), b, world, h // world, s, d).permute(2, 0, 1, 3, 4, 5)
+        stacked = stacked.contiguous()
+        self._nbytes = stacked.numel() * stacked.element_size()
+        self._calibration = overlap.calibrating(label, self._nbytes)
+        self._started = time.perf_counter()
+        self._handle = backend.active().start(stacked)
+        self._exchanged = self._handle.wait() if self._calibration else None
+
+    def progress(self) -> None:
+        """Launch the next phases (slow links) if the earlier ones are done; never blocks."""
+        if self._exchanged is None:
+            self._handle.progress()
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        waited = time.perf_counter()
+        exchanged = self._handle.wait() if self._exchanged is None else self._exchanged
+        overlap.record(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
+        n, b, local_heads, d = self._shape
+        return torch.unbind(exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, -1, d), dim=0)
+
+
+def start_input_exchange(*tensors: torch.Tensor, label: str = "qk") -> PendingExchange:
+    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors, asynchronously."""
+    return PendingExchange(tensors, label)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: PendingExchange) -> torch.Tensor:
+    """Ulysses attention with V already in flight; ``[b, h, s, d]`` in and out, like ``USP``."""
+    from xfuser.core.distributed import get_ring_parallel_world_size
+    from xfuser.model_executor.layers import usp
+
+    value.progress()
+    query, key = start_input_exchange(query, key).wait()
+    (value,) = value.wait()
+    attention_function = usp._get_attention_function()
+    if get_ring_parallel_world_size() == 1:
+        out, _ = attention_function(query, key, value, dropout_p=0.0, is_causal=False, joint_attn_kwargs=None, attention_kwargs=None)
+    else:
+        out = usp.ring_attn(attention_function, query, key, value, dropout_p=0.0, is_causal=False)
+    return usp._ft_c_output_all_to_all(out)
+
+
+def fallback_reason(extra: Callable[[], str | None] | None = None) -> str | None:
+    """Why this call must take the stock path (None: V-First applies). Logged once per reason."""
+    from xfuser.core.distributed import get_runtime_state, get_ulysses_parallel_world_size
+
+    state = get_runtime_state()
+    reason = None
+    if backend.active() is None or get_ulysses_parallel_world_size() == 1:
+        return "no Ulysses exchange"
+    if state.fp8_comms is not None:
+        reason = "fp8 communication"
+    elif state.runtime_config.use_spargeattn_head_balance:
+        reason = "Sparge head balancing"
+    elif state.num_pipeline_patch > 1:
+        reason = "PipeFusion"
+    elif extra is not None:
+        reason = extra()
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)
+        logger.warning("cocodiff: V-First off for %s; using the stock processor", reason)
+    return reason
+
+
+def linear_rows(layer: torch.nn.Linear, x: torch.Tensor, part: int, parts: int = 3) -> torch.Tensor:
+    """One of ``parts`` equal output blocks of a fused projection (e.g. V of ``to_qkv``), computed alone."""
+    rows = layer.out_features // parts
+    weight = layer.weight[part * rows : (part + 1) * rows]
+    bias = None if layer.bias is None else layer.bias[part * rows : (part + 1) * rows]
+    return torch.nn.functional.linear(x, weight, bias)
