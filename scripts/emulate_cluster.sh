@@ -33,7 +33,7 @@ STATE_DIR=${CCD_STATE_DIR:-/run/ccd}
 die() { echo "emulate_cluster: $*" >&2; exit 2; }
 log() { ((QUIET)) || echo "emulate_cluster: $*" >&2; }
 
-usage() { sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 pick_python() {
   if [[ -n ${CCD_PYTHON:-} ]]; then echo "$CCD_PYTHON"
@@ -105,7 +105,7 @@ mkns() {  # ns forward(0|1)
     for k in all default; do
       echo 0 > /proc/sys/net/ipv4/conf/\$k/rp_filter
       echo 0 > /proc/sys/net/ipv4/conf/\$k/send_redirects
-      echo 1 > /proc/sys/net/ipv6/conf/\$k/disable_ipv6 2>/dev/null || true
+      { echo 1 > /proc/sys/net/ipv6/conf/\$k/disable_ipv6; } 2>/dev/null || true
     done
     echo $2 > /proc/sys/net/ipv4/ip_forward"
 }

@@ -395,6 +395,7 @@ def _bench(argv) -> int:
         return 2
     report = []
     med = statistics.median
+    print(f"load average before: {os.getloadavg()[0]:.2f} (other work on this host skews the figures)")
     for preset in a.presets.split(","):
         fab = Fabric(preset, a.nodes, a.local, fabric_id=f"b{os.getpid() % 100000}")
         with fab:
@@ -427,6 +428,7 @@ def _bench(argv) -> int:
             report.append({"preset": preset, "nodes": a.nodes, "local": a.local, "size_mib": float(size),
                            "times_s": times, "bound_s": b, "flat_route_bound_s": bf, "tbf_drops": drops,
                            "intra_16mib_s": intra})
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
     return 0
