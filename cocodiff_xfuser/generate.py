@@ -20,6 +20,14 @@ from pathlib import Path
 import numpy as np
 
 
+# Named backend configurations a job can run one after the other.
+VARIANTS = {
+    "ulysses": {"sp_backend": "ulysses"},
+    "cocodiff": {"sp_backend": "cocodiff"},
+    "cocodiff+vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True},
+}
+
+
 def output_dir(out: Path, model: str, backend: str) -> Path:
     return out / model.replace("/", "--") / backend
 
@@ -28,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--out", required=True, type=Path)
-    ours.add_argument("--backends", default=None, help="comma-separated; default: the --sp_backend flag")
+    ours.add_argument("--backends", default=None, help=f"comma-separated from {sorted(VARIANTS)}; default: the flags")
     ours.add_argument("--save-png", action="store_true")
     mine, runner_argv = ours.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO)  # as xfuser's runner does
@@ -42,10 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     base = vars(parser.parse_args(runner_argv))
     models = base["model"].split(",")
     backends = mine.backends.split(",") if mine.backends else [base["sp_backend"]]
+    unknown = [b for b in backends if b not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown backend variant(s) {unknown}; choose from {sorted(VARIANTS)}")
     runner = None
     for model in models:
         for backend in backends:
-            args = {**base, "model": model, "sp_backend": backend}
+            args = {**base, "model": model, **VARIANTS[backend]}
             runner = xFuserModelRunner(args)
             input_args = runner.preprocess_args(args)
             input_args["output_type"] = "np"
@@ -69,6 +80,7 @@ def _save(out: Path, output, timings: list, args: dict, save_png: bool) -> None:
     result = {
         "model": args["model"],
         "sp_backend": args["sp_backend"],
+        "v_first": bool(args.get("cocodiff_v_first")),
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "seconds": timings[-1] if timings else None,
     }

@@ -150,10 +150,10 @@ def _patch_envs(envs: types.ModuleType) -> None:
 
     if importlib.util.find_spec("yunchang") is not None:
         _target(envs, "PACKAGES_CHECKER").packages_info["has_long_ctx_attn"] = True
-    _shim_torch_cuda(plat)
+    _shim_torch_cuda()
 
 
-def _shim_torch_cuda(plat) -> None:
+def _shim_torch_cuda() -> None:
     """Route ``torch.cuda.{synchronize,Event}`` to the platform where CUDA is absent.
 
     The ``xdit`` runner times runs with them (``runner.py`` runs as ``__main__`` and cannot be
@@ -165,11 +165,14 @@ def _shim_torch_cuda(plat) -> None:
         return
 
     def synchronize(device=None):
-        plat.synchronize()
+        _platform().synchronize()
+
+    def event(enable_timing=True, **_):
+        return _platform().event(enable_timing)
 
     synchronize._cocodiff_wrapped = True  # type: ignore[attr-defined]
     torch.cuda.synchronize = synchronize
-    torch.cuda.Event = lambda *args, **kwargs: plat.event(kwargs.get("enable_timing", True))
+    torch.cuda.Event = event
 
 
 def _open_yunchang_gate(module: types.ModuleType) -> None:

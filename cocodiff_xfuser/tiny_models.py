@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 FIXTURE_VERSION = "2"  # 2: transformer weights rounded to bf16 values
@@ -37,7 +38,7 @@ class TinySpec:
     text_len: int
     text_dim: int
     build: Callable[[], dict]  # component name -> module or scheduler
-    call_kwargs: Callable[[dict], dict]  # input args -> pipeline kwargs (text embeddings, guidance overrides)
+    call_kwargs: Callable[["TinySpec", dict], dict]  # (spec, input args) -> text embeddings, guidance overrides
     pooled_dim: int | None = None
     height: int = 64
     width: int = 64
@@ -206,14 +207,14 @@ def _pixart() -> dict:
     }
 
 
-def _embeds(args: dict, length: int, dim: int, pooled_dim: int | None = None, negative: bool = True) -> dict:
+def _embeds(spec: TinySpec, args: dict, negative: bool = True) -> dict:
     """Prompt (and, for CFG, negative prompt) embeddings as the diffusers pipelines name them."""
-    embeds, pooled = prompt_embeddings(args["prompt"], length, dim, pooled_dim)
+    embeds, pooled = prompt_embeddings(args["prompt"], spec.text_len, spec.text_dim, spec.pooled_dim)
     kwargs = {"prompt_embeds": embeds}
     if pooled is not None:
         kwargs["pooled_prompt_embeds"] = pooled
     if negative:
-        neg, neg_pooled = prompt_embeddings(args.get("negative_prompt") or "", length, dim, pooled_dim)
+        neg, neg_pooled = prompt_embeddings(args.get("negative_prompt") or "", spec.text_len, spec.text_dim, spec.pooled_dim)
         kwargs["negative_prompt_embeds"] = neg
         if neg_pooled is not None:
             kwargs["negative_pooled_prompt_embeds"] = neg_pooled
@@ -229,34 +230,27 @@ def _token_mask(prompt: str | list[str], length: int) -> torch.Tensor:
     return mask
 
 
-def _flux_call(args: dict) -> dict:
-    return _embeds(args, 32, 32, 32, negative=False)
+def _flux_call(spec: TinySpec, args: dict) -> dict:
+    return _embeds(spec, args, negative=False)  # guidance-distilled: no CFG
 
 
-def _sd3_call(args: dict) -> dict:
-    return _embeds(args, 32, 32, 32)
-
-
-def _qwen_image_call(args: dict) -> dict:
+def _qwen_image_call(spec: TinySpec, args: dict) -> dict:
     # Qwen-Image's CFG is "true CFG" (a second transformer call); guidance_scale is for
     # guidance-distilled checkpoints only. One prompt has no padding: the mask is all ones.
-    kwargs = _embeds(args, 32, 32)
-    kwargs["prompt_embeds_mask"] = torch.ones(kwargs["prompt_embeds"].shape[:2], dtype=torch.long)
-    kwargs["negative_prompt_embeds_mask"] = torch.ones(kwargs["negative_prompt_embeds"].shape[:2], dtype=torch.long)
+    kwargs = _embeds(spec, args)
+    kwargs["prompt_embeds_mask"] = torch.ones(1, spec.text_len, dtype=torch.long)
+    kwargs["negative_prompt_embeds_mask"] = torch.ones(1, spec.text_len, dtype=torch.long)
     return {**kwargs, "true_cfg_scale": args["guidance_scale"], "guidance_scale": None}
 
 
-def _wan_call(args: dict) -> dict:
-    return _embeds(args, 32, 32)
-
-
-def _pixart_call(args: dict) -> dict:
-    kwargs = _embeds(args, 32, 32)
-    kwargs["prompt_attention_mask"] = _token_mask(args["prompt"], 32)
-    kwargs["negative_prompt_attention_mask"] = _token_mask(args.get("negative_prompt") or "", 32)
+def _pixart_call(spec: TinySpec, args: dict) -> dict:
+    kwargs = _embeds(spec, args)
+    kwargs["prompt_attention_mask"] = _token_mask(args["prompt"], spec.text_len)
+    kwargs["negative_prompt_attention_mask"] = _token_mask(args.get("negative_prompt") or "", spec.text_len)
     # negative_prompt defaults to "", which PixArt refuses next to negative_prompt_embeds.
     # Resolution binning would resize to a trained aspect-ratio bucket; tiny models have none.
-    return {**kwargs, "negative_prompt": None, "use_resolution_binning": False, "max_sequence_length": 32}
+    kwargs.update(negative_prompt=None, use_resolution_binning=False, max_sequence_length=spec.text_len)
+    return kwargs
 
 
 def _wan_wrapper_kwargs(config) -> dict:
@@ -291,7 +285,7 @@ SPECS: dict[str, TinySpec] = {
             text_dim=32,
             pooled_dim=32,
             build=_sd3,
-            call_kwargs=_sd3_call,
+            call_kwargs=_embeds,
         ),
         TinySpec(
             name="tiny-qwen-image",
@@ -312,7 +306,7 @@ SPECS: dict[str, TinySpec] = {
             text_len=32,
             text_dim=32,
             build=_wan,
-            call_kwargs=_wan_call,
+            call_kwargs=_embeds,
             height=48,
             width=48,
             frames=5,
@@ -391,6 +385,46 @@ def check_heads(name: str, ulysses_degree: int) -> None:
         )
 
 
+def pipeline_kwargs(spec: TinySpec, input_args: dict, generator: torch.Generator) -> dict:
+    """The pipeline call for one run: the runner's input args plus the spec's text embeddings."""
+    kwargs = {
+        "height": input_args["height"],
+        "width": input_args["width"],
+        "num_inference_steps": input_args["num_inference_steps"],
+        "guidance_scale": input_args["guidance_scale"],
+        "generator": generator,
+        "output_type": input_args.get("output_type") or "pil",
+    }
+    if spec.frames:
+        kwargs["num_frames"] = input_args["num_frames"]
+    return {**kwargs, **spec.call_kwargs(spec, input_args)}
+
+
+def _images(spec: TinySpec, output) -> list:
+    """The pipeline's images; a video's frames (one prompt) instead, so savers treat them alike."""
+    return list(output.frames[0] if spec.frames else output.images)
+
+
+def reference_images(name: str, prompt: str, seed: int = 42) -> np.ndarray:
+    """The spec's default run in one process with plain diffusers (no xfuser): float images in [0, 1]."""
+    import diffusers
+
+    spec = SPECS[name]
+    path = str(ensure_fixture(name))
+    pipe = getattr(diffusers, spec.pipeline).from_pretrained(path, dtype=DTYPE, **_absent_components(path))
+    input_args = {
+        "prompt": prompt,
+        "height": spec.height,
+        "width": spec.width,
+        "num_frames": spec.frames,
+        "num_inference_steps": spec.steps,
+        "guidance_scale": spec.guidance_scale,
+        "output_type": "np",
+    }
+    output = pipe(**pipeline_kwargs(spec, input_args, torch.Generator("cpu").manual_seed(seed)))
+    return np.stack([np.asarray(image) for image in _images(spec, output)])
+
+
 def _runner_class(spec: TinySpec, base_model) -> type:
     """An xfuser runner model (``xFuserModel`` subclass) for one tiny spec."""
 
@@ -439,24 +473,9 @@ def _runner_class(spec: TinySpec, base_model) -> type:
                     max_condition_sequence_length=spec.text_len,
                     split_text_embed_in_sp=get_pipeline_parallel_world_size() == 1,
                 )
-            kwargs = {
-                "height": input_args["height"],
-                "width": input_args["width"],
-                "num_inference_steps": input_args["num_inference_steps"],
-                "guidance_scale": input_args["guidance_scale"],
-                "generator": self._make_generator(input_args["seed"]),
-                "output_type": input_args.get("output_type") or "pil",
-            }
-            if spec.frames:
-                kwargs["num_frames"] = input_args["num_frames"]
-            output = self.pipe(**{**kwargs, **spec.call_kwargs(input_args)})
-            # xfuser's pipeline wrappers return None on ranks that do not decode. A video's frames
-            # (one prompt) become the images, so every saver handles them as it handles images.
-            if output is None:
-                images = []
-            else:
-                images = output.frames[0] if spec.frames else output.images
-            return base_model.DiffusionOutput(images=list(images), pipe_args=input_args)
+            output = self.pipe(**pipeline_kwargs(spec, input_args, self._make_generator(input_args["seed"])))
+            # xfuser's pipeline wrappers return None on ranks that do not decode.
+            return base_model.DiffusionOutput(images=[] if output is None else _images(spec, output), pipe_args=input_args)
 
     TinyRunner.__name__ = TinyRunner.__qualname__ = "Tiny" + "".join(p.title() for p in spec.name.split("-")[1:])
     return TinyRunner

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Presets: the repository's configs/ (source checkout, editable install) or the copy a wheel
+# ships inside the package (pyproject force-include).
+_PACKAGE = Path(__file__).resolve().parent
+CONFIG_DIR = next((p for p in (_PACKAGE.parent / "configs", _PACKAGE / "configs") if p.is_dir()), _PACKAGE / "configs")
 
 _DEFAULT_NAMES = {2: ("node", "gpu"), 3: ("node", "gpu", "tile")}
 
