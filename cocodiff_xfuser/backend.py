@@ -63,10 +63,14 @@ class CocodiffBackend:
         self.levels = hierarchical.levels(group)
         self.exchange = AutoAllToAll(hierarchical, mode=options.algorithm)
 
+    # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
+    # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
+    @torch.compiler.disable
     def start(self, x: torch.Tensor) -> _Reshaping:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
         return _Reshaping(self.exchange.start(x.flatten(), self.group), x.shape)
 
+    @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         return self.exchange(x.flatten(), self.group).reshape(x.shape)
 

@@ -147,7 +147,9 @@ def _qwen_image() -> dict:
             axes_dims_rope=(4, 6, 6),
         ),
         # One spatial downsampling: pipeline scale factor 2, as for the other tiny models.
-        "vae": AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]),
+        "vae": AutoencoderKLQwenImage(
+            base_dim=16, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]
+        ),
         "scheduler": FlowMatchEulerDiscreteScheduler(
             base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192, use_dynamic_shifting=True
         ),
@@ -209,12 +211,13 @@ def _pixart() -> dict:
 
 def _embeds(spec: TinySpec, args: dict, negative: bool = True) -> dict:
     """Prompt (and, for CFG, negative prompt) embeddings as the diffusers pipelines name them."""
-    embeds, pooled = prompt_embeddings(args["prompt"], spec.text_len, spec.text_dim, spec.pooled_dim)
+    shape = (spec.text_len, spec.text_dim, spec.pooled_dim)
+    embeds, pooled = prompt_embeddings(args["prompt"], *shape)
     kwargs = {"prompt_embeds": embeds}
     if pooled is not None:
         kwargs["pooled_prompt_embeds"] = pooled
     if negative:
-        neg, neg_pooled = prompt_embeddings(args.get("negative_prompt") or "", spec.text_len, spec.text_dim, spec.pooled_dim)
+        neg, neg_pooled = prompt_embeddings(args.get("negative_prompt") or "", *shape)
         kwargs["negative_prompt_embeds"] = neg
         if neg_pooled is not None:
             kwargs["negative_pooled_prompt_embeds"] = neg_pooled
@@ -461,7 +464,8 @@ def _runner_class(spec: TinySpec, base_model) -> type:
             init_kwargs = spec.wrapper_kwargs(self.config) if spec.wrapper_kwargs else None
             # xfuser's loader materializes transformers in bf16; the tiny models compute in DTYPE.
             transformer = self.loader.load_transformer(wrapper, init_kwargs=init_kwargs).to(DTYPE)
-            return getattr(diffusers, spec.pipeline).from_pretrained(path, transformer=transformer, dtype=DTYPE, **absent)
+            pipeline_cls = getattr(diffusers, spec.pipeline)
+            return pipeline_cls.from_pretrained(path, transformer=transformer, dtype=DTYPE, **absent)
 
         def _run_pipe(self, input_args: dict):
             if spec.runner_sets_input:
@@ -475,7 +479,8 @@ def _runner_class(spec: TinySpec, base_model) -> type:
                 )
             output = self.pipe(**pipeline_kwargs(spec, input_args, self._make_generator(input_args["seed"])))
             # xfuser's pipeline wrappers return None on ranks that do not decode.
-            return base_model.DiffusionOutput(images=[] if output is None else _images(spec, output), pipe_args=input_args)
+            images = [] if output is None else _images(spec, output)
+            return base_model.DiffusionOutput(images=images, pipe_args=input_args)
 
     TinyRunner.__name__ = TinyRunner.__qualname__ = "Tiny" + "".join(p.title() for p in spec.name.split("-")[1:])
     return TinyRunner
