@@ -86,8 +86,14 @@ _ACTIVE: CocodiffBackend | None = None
 
 
 def activate(group: dist.ProcessGroup, options: Options) -> CocodiffBackend:
-    """Make this process's Ulysses exchanges go through cocodiff (collective over the world)."""
+    """Make this process's Ulysses exchanges go through cocodiff (collective over the world).
+
+    Re-activating with the same group and options keeps the backend (its sub-groups and tuned
+    decisions): xfuser may rebuild its runtime state several times for one model.
+    """
     global _ACTIVE
+    if _ACTIVE is not None and _ACTIVE.group is group and _ACTIVE.options == options:
+        return _ACTIVE
     _ACTIVE = CocodiffBackend(group, options)
     logger.info("cocodiff: %s", _ACTIVE.describe())
     return _ACTIVE

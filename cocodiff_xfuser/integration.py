@@ -449,7 +449,12 @@ def _activating_backend(original):
         name = getattr(config, "sp_backend", None) or os.environ.get(BACKEND_ENV, "ulysses")
         if name not in SP_BACKENDS:
             raise ValueError(f"unknown sp backend {name!r}: expected one of {', '.join(SP_BACKENDS)}")
-        if name == "cocodiff":
+        if name == "cocodiff" and parallel_config.tp_degree > 1:
+            # xfuser 0.7.0 builds SP groups that do not line up with yunchang's Ulysses groups
+            # under tensor parallelism.
+            logger.warning("cocodiff: tensor parallelism is not supported; falling back to stock Ulysses")
+            backend.deactivate()
+        elif name == "cocodiff":
             from xfuser.core.distributed import get_sp_group
 
             options = backend.Options(
@@ -474,14 +479,23 @@ def _routed_all_to_all(original):
     return _sdpa_all_to_all_single
 
 
-def _swapping_processors_after(original, get_transformers):
+def _adapting_model_after(original, get_transformers):
+    """After a model loads: fall back to stock for unsupported models, else install V-First."""
+
     def wrapper(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         from cocodiff_xfuser import backend, processors
 
         active = backend.active()
-        if active is not None and active.options.v_first:
-            for transformer in get_transformers(self, result):
+        if active is None:
+            return result
+        transformers = get_transformers(self, result)
+        reason = next(filter(None, map(processors.unsupported_reason, transformers)), None)
+        if reason is not None:
+            logger.warning("cocodiff: %s; falling back to stock Ulysses", reason)
+            backend.deactivate()
+        elif active.options.v_first:
+            for transformer in transformers:
                 processors.install(transformer)
         return result
 
@@ -493,7 +507,7 @@ def _patch_runner_base_model(module: types.ModuleType) -> None:
         return [getattr(pipe, name) for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None]
 
     cls = _target(module, "xFuserModel")
-    _wrap(cls, "initialize", lambda original: _swapping_processors_after(original, lambda m, _: transformers(m, m.pipe)))
+    _wrap(cls, "initialize", lambda original: _adapting_model_after(original, lambda m, _: transformers(m, m.pipe)))
     from cocodiff_xfuser import tiny_models
 
     tiny_models.register(module)
@@ -501,7 +515,7 @@ def _patch_runner_base_model(module: types.ModuleType) -> None:
 
 def _patch_base_pipeline(module: types.ModuleType) -> None:
     cls = _target(module, "xFuserPipelineBaseWrapper")
-    _wrap(cls, "_convert_transformer_backbone", lambda original: _swapping_processors_after(original, lambda _, t: [t]))
+    _wrap(cls, "_convert_transformer_backbone", lambda original: _adapting_model_after(original, lambda _, t: [t]))
 
 
 _HOOKS: dict[str, tuple[Callable | None, Callable | None]] = {

@@ -8,6 +8,7 @@ still goes through the backend.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -22,6 +23,27 @@ def replacements() -> dict[str, type]:
     return {"xFuserFluxAttnProcessor": flux.FluxVFirstProcessor}
 
 
+# xfuser processors whose Ulysses exchange goes through yunchang's SeqAllToAll4D instead of USP,
+# where the cocodiff backend cannot route it.
+BYPASS_USP = frozenset({"xFuserSanaLinearAttnProcessor2_0"})
+
+
+def _processors(transformer: torch.nn.Module) -> list:
+    return [m.processor for m in transformer.modules() if getattr(m, "processor", None) is not None]
+
+
+def unsupported_reason(transformer: torch.nn.Module) -> str | None:
+    """Why the cocodiff backend cannot carry this model's exchanges (None: it can)."""
+    found = _processors(transformer)
+    bypass = sorted({type(p).__name__ for p in found} & BYPASS_USP)
+    if bypass:
+        return f"{type(transformer).__name__} exchanges through yunchang's SeqAllToAll4D ({', '.join(bypass)}), not USP"
+    # A processor that calls USP lives in a module that imported it.
+    if not any(getattr(sys.modules.get(type(p).__module__), "USP", None) is not None for p in found):
+        return f"no attention processor of {type(transformer).__name__} exchanges through xfuser's USP"
+    return None
+
+
 def install(transformer: torch.nn.Module) -> int:
     """Swap processors in ``transformer``; returns how many were replaced."""
     table = replacements()
@@ -32,6 +54,8 @@ def install(transformer: torch.nn.Module) -> int:
         if processor is None:
             continue
         name = type(processor).__name__
+        if isinstance(processor, tuple(table.values())):
+            continue  # installed by an earlier load hook of the same model
         replacement = table.get(name)
         if replacement is None:
             kept.add(name)
