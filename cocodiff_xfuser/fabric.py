@@ -106,7 +106,11 @@ PRESETS = ("shared-uplink", "rail", "aurora-like")
 
 #: Emulation-wide constants (also read by the bash script).
 MTU = 9000
-TBF_MIN_LIMIT_BYTES = 16 * 1024 * 1024  # tbf limit < 4 MB stalls TCP (measured); 16 MiB: no drops at 2x2
+TBF_MIN_LIMIT_BYTES = 16 * 1024 * 1024  # tbf limit < 4 MB stalls TCP (measured here)
+#: Per-socket send buffer cap pinned in every rank namespace (net.ipv4.tcp_wmem max).  A TCP flow
+#: never has more than this in the network, so a tbf queue of ``flows x TCP_WMEM_MAX`` never
+#: tail-drops (drops made reno stall and the figures wrong).
+TCP_WMEM_MAX = 4 * 1024 * 1024
 TBF_MIN_BURST_BYTES = 128 * 1024  # >= one 64 KiB GSO super-packet
 TBF_BURST_SECONDS = 0.001  # burst = 1 ms of line rate (or the minimum above)
 
@@ -420,12 +424,26 @@ class Fabric:
         return max((v["seconds"] for v in bd.values()), default=0.0)
 
     # ------------------------------------------------------------------ shell interface
+    def flows_per_link(self, role: str) -> int:
+        """Rank pairs (TCP flows of one process group) whose direct route crosses ONE link of
+        ``role`` in one direction during a flat all-to-all (sizes the tbf queue)."""
+        N, L, W = self.nodes, self.local, self.world
+        if role == "uplink":  # node uplink (shared-uplink, aurora-like)
+            return L * (W - L)
+        if role == "rail":  # one rank's NIC
+            return W - L
+        if role == "spine":  # one leaf's uplink: rail-l ranks to other rails on other nodes
+            return N * (L - 1) * (N - 1)
+        if role == "xe":  # one tile's Xe port: tiles of the other GPUs of its node
+            return L - 2
+        raise ValueError(role)
+
     def shell_env(self) -> str:
         """``KEY=value`` lines the bash script evals (all values shell-quoted)."""
-        def tbf(bps: float) -> str:
+        def tbf(role: str, bps: float) -> str:
             Bps = bps / 8.0
             burst = max(int(Bps * TBF_BURST_SECONDS), TBF_MIN_BURST_BYTES)
-            limit = max(TBF_MIN_LIMIT_BYTES, int(Bps * 0.1))
+            limit = max(TBF_MIN_LIMIT_BYTES, int(Bps * 0.1), self.flows_per_link(role) * TCP_WMEM_MAX)
             return f"rate {int(round(bps))}bit burst {burst} limit {limit}"
 
         env = {
@@ -438,7 +456,8 @@ class Fabric:
         }
         for role, bps in self.rates_bps().items():
             env[f"CCD_RATE_{role.upper()}"] = int(round(bps))
-            env[f"CCD_TBF_{role.upper()}"] = tbf(bps)
+            env[f"CCD_TBF_{role.upper()}"] = tbf(role, bps)
+        env["CCD_TCP_WMEM"] = f"4096 16384 {TCP_WMEM_MAX}"
         env["CCD_PARAMS"] = ",".join(f"{k}={v:g}" for k, v in sorted(self.params.items()))
         return "".join(f"{k}={shlex.quote(str(v))}\n" for k, v in env.items())
 

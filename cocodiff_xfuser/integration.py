@@ -5,7 +5,8 @@ each module named in ``_HOOKS``. Three kinds of change are made:
 
 * platform: on hosts without CUDA, xfuser's CUDA-only spots are routed to the detected
   :class:`~cocodiff_xfuser.platform.Platform` (XPU or CPU); on CUDA hosts nothing changes;
-* bug workarounds for xfuser 0.7.0 (SD3.5 dual attention, FLUX odd-token padding);
+* bug workarounds for xfuser 0.7.0 (SD3.5 dual attention; FLUX and Qwen-Image sequence padding,
+  which crashes or silently changes the image, refused with a clear error);
 * the ``--sp-backend`` flag and, when it is ``cocodiff``, the backend: every Ulysses exchange
   goes through :func:`cocodiff_xfuser.backend.all_to_all` and attention processors are swapped
   per model family.
@@ -330,10 +331,24 @@ def _patch_generator_devices(pipeline_module: types.ModuleType) -> None:
 
 
 def _patch_transformer_flux(module: types.ModuleType) -> None:
-    """xfuser 0.7.0 calls ``self._pad_to_sp_divisible``, but the method is ``pad_to_sp_divisible``."""
+    """xfuser 0.7.0 calls ``self._pad_to_sp_divisible`` (an AttributeError: the method is
+    ``pad_to_sp_divisible``) when image tokens % SP != 0. Calling the real method is no fix:
+    the zero padding is attended and the image changes, so say so clearly instead."""
     cls = _target(module, "xFuserFlux1Transformer2DWrapper")
-    if not hasattr(cls, "_pad_to_sp_divisible"):
-        cls._pad_to_sp_divisible = _target(cls, "pad_to_sp_divisible")
+    _target(cls, "pad_to_sp_divisible")
+    if getattr(cls, "_pad_to_sp_divisible", None) is not None:
+        return
+
+    def _pad_to_sp_divisible(self, tensor, padding_length: int, dim: int):
+        from xfuser.core.distributed import get_sequence_parallel_world_size
+
+        raise ValueError(
+            f"FLUX under sequence parallelism: {tensor.shape[dim]} image tokens are not divisible by the SP degree "
+            f"{get_sequence_parallel_world_size()}; xfuser 0.7.0 would attend to its zero padding and change the "
+            f"image. Choose a resolution whose image token count is divisible by the SP degree."
+        )
+
+    cls._pad_to_sp_divisible = _pad_to_sp_divisible
 
 
 def _patch_attention_processor(module: types.ModuleType) -> None:
@@ -351,6 +366,30 @@ def _patch_attention_processor(module: types.ModuleType) -> None:
         return __call__
 
     _wrap(cls, "__call__", make)
+
+
+def _patch_transformer_qwen(module: types.ModuleType) -> None:
+    """xfuser 0.7.0 pads Qwen-Image sequences to the SP degree but its attention ignores the mask,
+    so the padding is attended and the image silently changes: refuse those lengths instead."""
+    cls = _target(module, "xFuserQwenImageTransformerWrapper")
+
+    def make(original):
+        def forward(self, hidden_states, encoder_hidden_states=None, *args, **kwargs):
+            from xfuser.core.distributed import get_sequence_parallel_world_size
+
+            sp = get_sequence_parallel_world_size()
+            for stream, tensor in (("image", hidden_states), ("text", encoder_hidden_states)):
+                if sp > 1 and tensor is not None and tensor.shape[1] % sp:
+                    raise ValueError(
+                        f"Qwen-Image under sequence parallelism: {tensor.shape[1]} {stream} tokens are not divisible "
+                        f"by the SP degree {sp}; xfuser 0.7.0 would attend to its zero padding and change the image. "
+                        f"Choose a resolution / max_sequence_length divisible by {sp}."
+                    )
+            return original(self, hidden_states, encoder_hidden_states, *args, **kwargs)
+
+        return forward
+
+    _wrap(cls, "forward", make)
 
 
 # --------------------------------------------------------------------------- the sp backend
@@ -534,4 +573,5 @@ _HOOKS: dict[str, tuple[Callable | None, Callable | None]] = {
     "xfuser.model_executor.pipelines.pipeline_stable_diffusion_3": (None, _patch_generator_devices),
     "xfuser.model_executor.models.transformers.transformer_flux": (None, _patch_transformer_flux),
     "xfuser.model_executor.layers.attention_processor": (None, _patch_attention_processor),
+    "xfuser.model_executor.models.transformers.transformer_qwen": (None, _patch_transformer_qwen),
 }

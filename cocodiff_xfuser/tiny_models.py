@@ -408,8 +408,8 @@ def _images(spec: TinySpec, output) -> list:
     return list(output.frames[0] if spec.frames else output.images)
 
 
-def reference_images(name: str, prompt: str, seed: int = 42) -> np.ndarray:
-    """The spec's default run in one process with plain diffusers (no xfuser): float images in [0, 1]."""
+def reference_images(name: str, prompt: str, seed: int = 42, height: int | None = None, width: int | None = None) -> np.ndarray:
+    """The spec's run in one process with plain diffusers (no xfuser): float images in [0, 1]."""
     import diffusers
 
     spec = SPECS[name]
@@ -417,8 +417,8 @@ def reference_images(name: str, prompt: str, seed: int = 42) -> np.ndarray:
     pipe = getattr(diffusers, spec.pipeline).from_pretrained(path, dtype=DTYPE, **_absent_components(path))
     input_args = {
         "prompt": prompt,
-        "height": spec.height,
-        "width": spec.width,
+        "height": height or spec.height,
+        "width": width or spec.width,
         "num_frames": spec.frames,
         "num_inference_steps": spec.steps,
         "guidance_scale": spec.guidance_scale,

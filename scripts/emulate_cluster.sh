@@ -24,7 +24,8 @@
 #  * routers/switches are namespaces too (ccd-<ID>-n<node>, -leaf<i>, -spine, -sw); nothing is created
 #    in the root namespace, so all test traffic stays inside ccd- namespaces (10.77.x / 10.80.x).
 #  * shaping: tc tbf on BOTH ends of each shaped veth (egress of each side = one direction), MTU 9000,
-#    TCP reno and tcp_slow_start_after_idle=0 in every namespace, IPv6 off.
+#    TCP reno, tcp_slow_start_after_idle=0 and tcp_wmem max 4 MiB in every namespace (tbf queues hold
+#    flows x 4 MiB, so they never tail-drop), IPv6 off.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -102,6 +103,7 @@ mkns() {  # ns forward(0|1)
   ip netns exec "$1" sh -c "
     echo reno > /proc/sys/net/ipv4/tcp_congestion_control
     echo 0 > /proc/sys/net/ipv4/tcp_slow_start_after_idle
+    echo '$CCD_TCP_WMEM' > /proc/sys/net/ipv4/tcp_wmem
     for k in all default; do
       echo 0 > /proc/sys/net/ipv4/conf/\$k/rp_filter
       echo 0 > /proc/sys/net/ipv4/conf/\$k/send_redirects

@@ -13,22 +13,13 @@ def _has_fused_qk_kernel() -> str | None:
     return "the fused FlyDSL QK-norm/RoPE kernel" if transformer_flux._HAS_FLYDSL else None
 
 
-def _project(attn, x: torch.Tensor, which: str, added: bool = False) -> torch.Tensor:
-    """One of Q/K/V (``which`` in 'qkv') for the image stream or, with ``added``, the text stream."""
-    part = "qkv".index(which)
-    if attn.fused_projections:
-        return ulysses.linear_rows(attn.to_added_qkv if added else attn.to_qkv, x, part)
-    name = f"add_{which}_proj" if added else f"to_{which}"
-    return getattr(attn, name)(x)
-
-
 class FluxVFirstProcessor:
     """``xFuserFluxAttnProcessor`` with V projected and exchanged before Q/K projection, norm and RoPE."""
 
-    def __init__(self) -> None:
+    def __init__(self, stock=None) -> None:
         from xfuser.model_executor.models.transformers.transformer_flux import xFuserFluxAttnProcessor
 
-        self.stock = xFuserFluxAttnProcessor()
+        self.stock = stock if stock is not None else xFuserFluxAttnProcessor()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if ulysses.fallback_reason(_has_fused_qk_kernel) is not None:
@@ -37,16 +28,16 @@ class FluxVFirstProcessor:
 
         joint = attn.added_kv_proj_dim is not None and encoder_hidden_states is not None
         heads = attn.heads
-        value = _project(attn, hidden_states, "v").unflatten(-1, (heads, -1))
+        value = ulysses.project(attn, hidden_states, "v").unflatten(-1, (heads, -1))
         if joint:
-            value = torch.cat([_project(attn, encoder_hidden_states, "v", added=True).unflatten(-1, (heads, -1)), value], dim=1)
+            value = torch.cat([ulysses.project(attn, encoder_hidden_states, "v", added=True).unflatten(-1, (heads, -1)), value], dim=1)
         pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="flux.double.v" if joint else "flux.single.v")
 
-        query = attn.norm_q(_project(attn, hidden_states, "q").unflatten(-1, (heads, -1)))
-        key = attn.norm_k(_project(attn, hidden_states, "k").unflatten(-1, (heads, -1)))
+        query = attn.norm_q(ulysses.project(attn, hidden_states, "q").unflatten(-1, (heads, -1)))
+        key = attn.norm_k(ulysses.project(attn, hidden_states, "k").unflatten(-1, (heads, -1)))
         if joint:
-            encoder_query = attn.norm_added_q(_project(attn, encoder_hidden_states, "q", added=True).unflatten(-1, (heads, -1)))
-            encoder_key = attn.norm_added_k(_project(attn, encoder_hidden_states, "k", added=True).unflatten(-1, (heads, -1)))
+            encoder_query = attn.norm_added_q(ulysses.project(attn, encoder_hidden_states, "q", added=True).unflatten(-1, (heads, -1)))
+            encoder_key = attn.norm_added_k(ulysses.project(attn, encoder_hidden_states, "k", added=True).unflatten(-1, (heads, -1)))
             query = torch.cat([encoder_query, query], dim=1)
             key = torch.cat([encoder_key, key], dim=1)
         if image_rotary_emb is not None:

@@ -57,20 +57,63 @@ def start_input_exchange(*tensors: torch.Tensor, label: str = "qk") -> PendingEx
     return PendingExchange(tensors, label)
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: PendingExchange) -> torch.Tensor:
-    """Ulysses attention with V already in flight; ``[b, h, s, d]`` in and out, like ``USP``."""
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: PendingExchange,
+    *,
+    joint_query: torch.Tensor | None = None,
+    joint_key: torch.Tensor | None = None,
+    joint_value: torch.Tensor | None = None,
+    joint_strategy: str | None = None,
+    attention_kwargs: dict | None = None,
+) -> torch.Tensor:
+    """Ulysses attention with V already in flight; ``[b, h, s, d]`` in and out, like ``USP``.
+
+    The joint arguments are ``USP``'s (text kept whole on every rank and attended ``"rear"``):
+    ``joint_query`` joins the query before its exchange, ``joint_key``/``joint_value`` are
+    narrowed to this rank's heads and joined by the attention function. ``attention_kwargs``
+    go to the attention function as in ``USP``, after its K/V padding trim
+    (:func:`attention_kwargs_reason` says which ones this does not handle).
+    """
     from xfuser.core.distributed import get_ring_parallel_world_size
     from xfuser.model_executor.layers import usp
 
     value.progress()
-    query, key = start_input_exchange(query, key).wait()
+    joint_attn_kwargs = None
+    if joint_strategy:
+        query = usp._concat_joint_tensor(query, joint_query, joint_strategy, dim=2)
+        joint_key, joint_value = usp._preprocess_joint_tensors(joint_key, joint_value)
+        joint_attn_kwargs = {
+            "joint_value": joint_value,
+            "joint_key": joint_key,
+            "joint_strategy": joint_strategy,
+            "step": 0,
+            "total_steps": get_ring_parallel_world_size(),
+        }
+    if query.shape == key.shape:
+        query, key = start_input_exchange(query, key).wait()
+    else:  # the query carries the joint tokens: two exchanges, both in flight together
+        pending_q, pending_k = start_input_exchange(query, label="q"), start_input_exchange(key, label="k")
+        (query,), (key,) = pending_q.wait(), pending_k.wait()
     (value,) = value.wait()
+    key, value = usp._trim_trailing_kv_padding(key, value, attention_kwargs)
     attention_function = usp._get_attention_function()
+    kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
     if get_ring_parallel_world_size() == 1:
-        out, _ = attention_function(query, key, value, dropout_p=0.0, is_causal=False, joint_attn_kwargs=None, attention_kwargs=None)
+        out, _ = attention_function(query, key, value, **kwargs)
     else:
-        out = usp.ring_attn(attention_function, query, key, value, dropout_p=0.0, is_causal=False)
+        out = usp.ring_attn(attention_function, query, key, value, **kwargs)
     return usp._ft_c_output_all_to_all(out)
+
+
+def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
+    """Why :func:`attention` cannot reproduce ``USP`` with these ``attention_kwargs`` (None: it can)."""
+    from xfuser.model_executor.layers import usp
+
+    if attention_kwargs and attention_kwargs.get(usp.ULYSSES_EXTRA_INPUTS_KEY):
+        return "extra per-head attention inputs (ulysses_extra_inputs)"
+    return None
 
 
 def fallback_reason(extra: Callable[[], str | None] | None = None) -> str | None:
@@ -95,9 +138,25 @@ def fallback_reason(extra: Callable[[], str | None] | None = None) -> str | None
     return reason
 
 
+def linear_slice(layer: torch.nn.Linear, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Output features ``start:stop`` of ``layer(x)``, computed alone (rows of a fused projection)."""
+    bias = None if layer.bias is None else layer.bias[start:stop]
+    return torch.nn.functional.linear(x, layer.weight[start:stop], bias)
+
+
 def linear_rows(layer: torch.nn.Linear, x: torch.Tensor, part: int, parts: int = 3) -> torch.Tensor:
     """One of ``parts`` equal output blocks of a fused projection (e.g. V of ``to_qkv``), computed alone."""
     rows = layer.out_features // parts
-    weight = layer.weight[part * rows : (part + 1) * rows]
-    bias = None if layer.bias is None else layer.bias[part * rows : (part + 1) * rows]
-    return torch.nn.functional.linear(x, weight, bias)
+    return linear_slice(layer, x, part * rows, (part + 1) * rows)
+
+
+def project(attn, x: torch.Tensor, which: str, added: bool = False) -> torch.Tensor:
+    """Q, K or V (``which`` in 'qkv') of the image stream or, with ``added``, the text stream.
+
+    Separate projections (``to_q``/``add_q_proj``...) or the rows of the fused ``to_qkv`` /
+    ``to_added_qkv`` (diffusers' ``fuse_projections``), as the attention module has them.
+    """
+    part = "qkv".index(which)
+    if getattr(attn, "fused_projections", False):
+        return linear_rows(attn.to_added_qkv if added else attn.to_qkv, x, part)
+    return getattr(attn, f"add_{which}_proj" if added else f"to_{which}")(x)
