@@ -46,12 +46,12 @@ Presets (rates are line rates in bit/s per direction; every link is full duplex)
       over 6 GPUs x 2 tiles = 16.7 GB/s per tile  ->  emulated 250 Mbit/s per tile (the constant:
       1 emulated bit/s per ~533 real bit/s).  The node uplink is ``local x 250 Mbit/s`` (1 Gbit/s for
       4 tiles), shared by the node's tiles like the real NICs are.
-    * Xe Link per tile: published 28 GB/s per Xe Link; 6 GPUs all-to-all, ASSUMED one link per GPU
-      pair, shared by the GPU's two tiles: 5 x 28 / 2 = 70 GB/s per tile = 4.2 x the NIC share ->
-      emulated 1.05 Gbit/s per tile port.  With fewer emulated GPUs per node the per-tile injection
+    * Xe Link per tile: published 28 GB/s per Xe Link (quoted, see AURORA_PUBLISHED); 6 GPUs
+      all-to-all, ASSUMED one link per GPU pair, shared by the GPU's two tiles: 5 x 28 / 2 =
+      70 GB/s per tile = 4.2 x the NIC share -> emulated 1.05 Gbit/s per tile port.  With fewer emulated GPUs per node the per-tile injection
       ratio, not the link count, is preserved.
     * Tile pair (MDFI, on package): fastest level; no citable figure found, emulated as an unlimited
-      bridge (CPU-bound: ~15 Gbit/s one-way measured here, i.e. >= 14x the Xe port).
+      bridge (CPU-bound: 15-38 Gbit/s one-way measured here, i.e. >= 14x the Xe port).
     * GPU -> NIC (PCIe Gen5 x16, published 64 GB/s per GPU vs a 33 GB/s NIC share): not a
       bottleneck, emulated unlimited; inter-node traffic goes tile -> node router -> uplink and does
       not use the Xe ports.
@@ -71,7 +71,8 @@ intra-node hop to the rank on the destination's rail and then use rails only, so
 nothing; on ``shared-uplink``/``aurora-like`` every inter-node byte crosses the node uplink and
 every intra-node cross-GPU byte crosses Xe Link).  ``pattern="flat"`` charges each byte to the
 classes of the fabric's direct route (what a flat all-to-all actually uses), ``"two_phase"`` to the
-route of a two-phase exchange (intra-group hop, then direct).  Bytes are link-layer bytes:
+route of a two-phase exchange (intra-group hop, then direct).  For a WxW byte matrix the per-class
+aggregate is still used, which is valid but loose for skewed matrices.  Bytes are link-layer bytes:
 TCP/IP/Ethernet headers (~0.7% at the emulation's MTU 9000) and the unlimited bridges' CPU cost are
 not in the bound.
 """
@@ -119,7 +120,8 @@ TBF_BURST_SECONDS = 0.001  # burst = 1 ms of line rate (or the minimum above)
 #:   200 Gb/s (ALCF interconnect page) = 25 GB/s per NIC, 200 GB/s per node.
 #: - 6 PVC GPUs x 2 stacks (tiles) per node, GPUs connected all-to-all by Xe Link (ALCF);
 #:   28 GB/s theoretical per Xe Link (Ibeid et al., "Scaling MPI Applications on Aurora",
-#:   arXiv 2512.04291).  ASSUMPTION: one Xe Link per GPU pair, shared by the GPU's two tiles.
+#:   arXiv 2512.04291, as quoted by a third-party summary of it; not checked against the paper's
+#:   own text).  ASSUMPTION: one Xe Link per GPU pair, shared by the GPU's two tiles.
 #: - Tile-to-tile (MDFI, on-package) is the fastest level; we found no citable figure, so it is
 #:   emulated as an unlimited bridge (CPU-bound here, several times the Xe port; see docs).
 #: - PCIe Gen5 x16 per GPU, 64 GB/s (same paper): the GPU->NIC path is not the bottleneck

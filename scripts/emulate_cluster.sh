@@ -79,7 +79,7 @@ need_root() {
   command -v ip >/dev/null && command -v tc >/dev/null || die "needs iproute2 (ip, tc)"
 }
 
-lock() { mkdir -p "$STATE_DIR"; exec 9>"$STATE_DIR/$ID.lock"; flock -w 120 9 || die "lock busy"; }
+lock() { mkdir -p "$STATE_DIR"; exec 9>"$STATE_DIR/.lock"; flock -w 120 9 || die "lock busy"; }  # one lock for all ids
 unlock() { flock -u 9 2>/dev/null || true; exec 9>&-; }
 
 load_preset() {  # evaluates the preset numbers from fabric.py

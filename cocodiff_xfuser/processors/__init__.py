@@ -18,9 +18,18 @@ logger = logging.getLogger("cocodiff_xfuser")
 
 def replacements() -> dict[str, type]:
     """xfuser processor class name -> our V-First processor class."""
-    from cocodiff_xfuser.processors import flux
+    from cocodiff_xfuser.processors import flux, flux2, hunyuan_video, pixart, qwen_image, sd3, wan
 
-    return {"xFuserFluxAttnProcessor": flux.FluxVFirstProcessor}
+    return {
+        "xFuserFluxAttnProcessor": flux.FluxVFirstProcessor,
+        "xFuserFlux2AttnProcessor": flux2.Flux2VFirstProcessor,
+        "xFuserFlux2ParallelSelfAttnProcessor": flux2.Flux2SingleVFirstProcessor,
+        "xFuserJointAttnProcessor2_0": sd3.SD3VFirstProcessor,
+        "xFuserQwenDoubleStreamAttnProcessor": qwen_image.QwenImageVFirstProcessor,
+        "xFuserWanAttnProcessor": wan.WanVFirstProcessor,
+        "xFuserAttnProcessor2_0": pixart.PixArtVFirstProcessor,
+        "xFuserHunyuanVideoAttnProcessor": hunyuan_video.HunyuanVideoVFirstProcessor,
+    }
 
 
 # xfuser processors whose Ulysses exchange goes through yunchang's SeqAllToAll4D instead of USP,
@@ -29,7 +38,10 @@ BYPASS_USP = frozenset({"xFuserSanaLinearAttnProcessor2_0"})
 
 
 def _processors(transformer: torch.nn.Module) -> list:
-    return [m.processor for m in transformer.modules() if getattr(m, "processor", None) is not None]
+    """The attention processors of ``transformer``; for a V-First one, the stock one it keeps."""
+    ours = tuple(replacements().values())
+    found = [m.processor for m in transformer.modules() if getattr(m, "processor", None) is not None]
+    return [p.stock if isinstance(p, ours) else p for p in found]
 
 
 def unsupported_reason(transformer: torch.nn.Module) -> str | None:
@@ -44,25 +56,39 @@ def unsupported_reason(transformer: torch.nn.Module) -> str | None:
     return None
 
 
+def _unused_processors(transformer: torch.nn.Module) -> set[int]:
+    """Modules wrapped by an xfuser layer wrapper: the wrapper's processor runs, theirs never does."""
+    from xfuser.model_executor.layers.base_layer import xFuserLayerBaseWrapper
+
+    return {id(m.module) for m in transformer.modules() if isinstance(m, xFuserLayerBaseWrapper)}
+
+
 def install(transformer: torch.nn.Module) -> int:
-    """Swap processors in ``transformer``; returns how many were replaced."""
+    """Swap processors in ``transformer``; returns how many V-First processors it now has.
+
+    Each V-First processor keeps the stock processor it replaces (with its settings) and
+    delegates to it for whatever it does not reproduce. Installing twice is harmless.
+    """
     table = replacements()
-    swapped = 0
+    ours = tuple(table.values())
+    unused = _unused_processors(transformer)
+    installed = 0
     kept: set[str] = set()
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
-        if processor is None:
+        if processor is None or id(module) in unused:
+            continue
+        if isinstance(processor, ours):
+            installed += 1
             continue
         name = type(processor).__name__
-        if isinstance(processor, tuple(table.values())):
-            continue  # installed by an earlier load hook of the same model
         replacement = table.get(name)
         if replacement is None:
             kept.add(name)
             continue
-        module.processor = replacement()
-        swapped += 1
-    logger.info("cocodiff: V-First processors installed in %d attention modules", swapped)
+        module.processor = replacement(processor)
+        installed += 1
+    logger.info("cocodiff: V-First processors installed in %d attention modules", installed)
     if kept:
         logger.warning("cocodiff: no V-First processor for %s; stock processor kept", ", ".join(sorted(kept)))
-    return swapped
+    return installed
