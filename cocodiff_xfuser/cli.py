@@ -1,4 +1,4 @@
-"""The ``cocodiff`` command: ``verify``, ``demo`` and ``bench``."""
+"""The ``cocodiff`` command: ``verify``, ``demo`` and ``bench {a2a,e2e}``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from cocodiff_xfuser import tiny_models
+from cocodiff_xfuser.fabric import PRESETS as FABRICS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +29,26 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=int, default=128, help="image height and width")
     demo.add_argument("--steps", type=int, default=8)
     demo.add_argument("--timeout", type=float, default=900.0)
+
+    bench = sub.add_parser("bench", help="benchmarks, side by side in one run (emulated cluster: run as root)")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    a2a = kinds.add_parser("a2a", help="all-to-all: flat vs hierarchical vs the autotuned choice, vs the physical bound")
+    e2e = kinds.add_parser("e2e", help="a tiny DiT pipeline: stock Ulysses vs cocodiff mechanisms, cumulatively")
+    for p in (a2a, e2e):
+        p.add_argument("--fabric", choices=FABRICS, default=None if p is a2a else "rail",
+                       help="emulated cluster preset (network namespaces; needs root)" + ("; default: loopback" if p is a2a else ""))
+        p.add_argument("--nodes", type=int, default=2)
+        p.add_argument("--local", type=int, default=2, help="ranks per node")
+        p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="fabric parameter override")
+        p.add_argument("--out", default="bench-output", help="directory for the JSON and the PNG")
+        p.add_argument("--timeout", type=float, default=1800.0)
+        p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    a2a.add_argument("--sizes-mib", default="4,8,16", help="message sizes per rank, MiB")
+    a2a.add_argument("--reps", type=int, default=9)
+    e2e.add_argument("--model", choices=sorted(tiny_models.SPECS), default="tiny-flux")
+    e2e.add_argument("--size", type=int, default=256, help="image height and width")
+    e2e.add_argument("--steps", type=int, default=4)
+    e2e.add_argument("--repeat", type=int, default=3, help="timed pipeline calls per configuration")
     return parser
 
 
@@ -42,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         from cocodiff_xfuser import demo
 
         return demo.main(args)
+    if args.command == "bench" and args.kind == "a2a":
+        from cocodiff_xfuser import bench_a2a
+
+        return bench_a2a.run_cli(args)
+    if args.command == "bench" and args.kind == "e2e":
+        from cocodiff_xfuser import bench_e2e
+
+        return bench_e2e.run_cli(args)
     raise AssertionError(args.command)
 
 

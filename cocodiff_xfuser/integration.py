@@ -22,6 +22,7 @@ import importlib.metadata
 import logging
 import os
 import sys
+import time
 import types
 from typing import Callable
 
@@ -510,10 +511,18 @@ def _activating_backend(original):
 
 def _routed_all_to_all(original):
     def _sdpa_all_to_all_single(x):
-        from cocodiff_xfuser import backend
+        from cocodiff_xfuser import backend, commstats
 
         active = backend.active()
-        return original(x) if active is None else active.all_to_all(x)
+        exchange = original if active is None else active.all_to_all
+        if not commstats.enabled():
+            return exchange(x)
+        commstats.synchronize()
+        started = time.perf_counter()
+        out = exchange(x)
+        commstats.synchronize()
+        commstats.record_exchange(x.numel() * x.element_size(), time.perf_counter() - started)
+        return out
 
     return _sdpa_all_to_all_single
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from cocodiff_xfuser import backend, overlap
+from cocodiff_xfuser import backend, commstats
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
@@ -34,7 +34,7 @@ class PendingExchange:
         stacked = torch.stack(tensors).view(len(tensors), b, world, h // world, s, d).permute(2, 0, 1, 3, 4, 5)
         stacked = stacked.contiguous()
         self._nbytes = stacked.numel() * stacked.element_size()
-        self._calibration = overlap.calibrating(label, self._nbytes)
+        self._calibration = commstats.calibrating(label, self._nbytes)
         self._started = time.perf_counter()
         self._handle = backend.active().start(stacked)
         self._exchanged = self._handle.wait() if self._calibration else None
@@ -47,7 +47,9 @@ class PendingExchange:
     def wait(self) -> tuple[torch.Tensor, ...]:
         waited = time.perf_counter()
         exchanged = self._handle.wait() if self._exchanged is None else self._exchanged
-        overlap.record(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
+        if commstats.enabled():
+            commstats.synchronize()
+            commstats.record_async(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
         n, b, local_heads, d = self._shape
         return torch.unbind(exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, -1, d), dim=0)
 

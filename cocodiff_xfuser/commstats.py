@@ -1,0 +1,110 @@
+"""Communication statistics of one process, for benchmarks; off by default (``COCODIFF_COMM_STATS=1``).
+
+Recorded:
+
+* every Ulysses exchange: bytes sent by this rank and the time the caller was blocked in it,
+  for stock Ulysses and cocodiff alike (the integration's all-to-all hook times the blocking
+  ones; V-First's asynchronous exchanges record the time their ``wait`` blocked);
+* V-First overlap, per label (layer type) and size: the first ``CALIBRATION_CALLS`` exchanges
+  are waited for at once, which measures the exchange time ``T`` with nothing to hide it;
+  afterwards each wait records its exposed part. Hidden share = ``1 - exposed / T``.
+
+Timings synchronize the device first, so they are real on GPUs too (and cost a sync each).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+CALIBRATION_CALLS = 3
+_enabled = os.environ.get("COCODIFF_COMM_STATS", "") not in ("", "0")
+
+
+@dataclass
+class _Overlap:
+    calibration_s: list[float] = field(default_factory=list)
+    exposed_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Totals:
+    exchanges: int = 0
+    bytes: int = 0
+    blocked_s: float = 0.0
+
+
+_totals = _Totals()
+_overlap: dict[tuple[str, int], _Overlap] = defaultdict(_Overlap)
+
+
+def enable(on: bool = True) -> None:
+    global _enabled
+    _enabled = on
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def synchronize() -> None:
+    from cocodiff_xfuser.platform import detect
+
+    detect().synchronize()
+
+
+def record_exchange(nbytes: int, blocked_s: float) -> None:
+    _totals.exchanges += 1
+    _totals.bytes += nbytes
+    _totals.blocked_s += blocked_s
+
+
+def calibrating(label: str, nbytes: int) -> bool:
+    """True while this (label, size) still needs exchanges waited for at once, to measure their time."""
+    return _enabled and len(_overlap[(label, nbytes)].calibration_s) < CALIBRATION_CALLS
+
+
+def record_async(label: str, nbytes: int, started: float, waited: float, finished: float, calibration: bool) -> None:
+    """An asynchronous exchange: started, waited for, finished (``perf_counter`` seconds)."""
+    if not _enabled:
+        return
+    stats = _overlap[(label, nbytes)]
+    if calibration:
+        stats.calibration_s.append(finished - started)
+        record_exchange(nbytes, finished - started)
+    else:
+        stats.exposed_s.append(finished - waited)
+        record_exchange(nbytes, finished - waited)
+
+
+def report() -> dict:
+    """Totals, and per (label, bytes) V-First overlap: exchange time, exposed time, hidden share (medians)."""
+    overlap = []
+    for (label, nbytes), stats in sorted(_overlap.items()):
+        if not stats.calibration_s or not stats.exposed_s:
+            continue
+        exchange = statistics.median(stats.calibration_s)
+        exposed = statistics.median(stats.exposed_s)
+        overlap.append(
+            {
+                "label": label,
+                "bytes": nbytes,
+                "calls": len(stats.exposed_s),
+                "exchange_s": exchange,
+                "exposed_s": exposed,
+                "hidden_share": max(0.0, 1.0 - exposed / exchange) if exchange > 0 else 0.0,
+            }
+        )
+    return {"exchanges": _totals.exchanges, "bytes": _totals.bytes, "blocked_s": _totals.blocked_s, "overlap": overlap}
+
+
+def reset(keep_calibration: bool = True) -> None:
+    """Zero the totals (and the exposed times); calibrations survive unless asked otherwise."""
+    global _totals
+    _totals = _Totals()
+    for stats in _overlap.values():
+        stats.exposed_s.clear()
+        if not keep_calibration:
+            stats.calibration_s.clear()
