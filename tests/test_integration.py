@@ -149,3 +149,33 @@ def test_qwen_padding_that_would_change_the_image_is_refused(tmp_path):
 
     with pytest.raises(TorchrunError, match="81 image tokens are not divisible by the SP degree 2"):
         _generate_u2(tmp_path, "tiny-qwen-image", 36)
+
+
+def _transformer_with(*processors):
+    import torch
+
+    class Attention(torch.nn.Module):
+        def __init__(self, processor):
+            super().__init__()
+            self.processor = processor
+
+    return torch.nn.Sequential(*(Attention(p) for p in processors))
+
+
+def test_models_whose_exchange_bypasses_usp_fall_back_to_stock():
+    import xfuser.model_executor.layers.usp  # noqa: F401  (a module that imports USP)
+
+    from cocodiff_xfuser import processors
+
+    sana = type("xFuserSanaLinearAttnProcessor2_0", (), {})()
+    assert "SeqAllToAll4D" in processors.unsupported_reason(_transformer_with(sana))
+    assert "no attention processor" in processors.unsupported_reason(_transformer_with(object()))
+    calls_usp = type("xFuserSomeAttnProcessor", (), {"__module__": "xfuser.model_executor.layers.usp"})()
+    assert processors.unsupported_reason(_transformer_with(calls_usp, object())) is None
+
+
+def test_backend_options_reject_unknown_algorithms():
+    from cocodiff_xfuser import backend
+
+    with pytest.raises(ValueError, match="--cocodiff_a2a"):
+        backend.Options(algorithm="ring")
