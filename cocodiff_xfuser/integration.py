@@ -134,6 +134,10 @@ def _platform():
 
 
 def _patch_envs(envs: types.ModuleType) -> None:
+    from cocodiff_xfuser.platform import adopt_mpi_environment
+
+    if adopt_mpi_environment():
+        logger.info("cocodiff: rank %s of %s from the MPI launcher's environment", os.environ["RANK"], os.environ["WORLD_SIZE"])
     plat = _platform()
     if plat.is_cuda:
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -96,6 +97,32 @@ def _xpu_backend() -> str:
         "Intel XPU found but torch has no 'xccl' process-group backend and oneccl_bindings_for_pytorch "
         "is not installed; install torch>=2.8 built with XPU support"
     )
+
+
+# torch.distributed's env:// names, and where MPI launchers (Open MPI, MPICH/PMI, PALS on Aurora)
+# put the same facts.
+_MPI_ENV = {
+    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID"),
+    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID"),
+    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_LOCAL_SIZE", "MPI_LOCALNRANKS"),
+}
+
+
+def adopt_mpi_environment(env: dict | None = None) -> bool:
+    """Under ``mpiexec`` (no torchrun), fill RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from the
+    MPI launcher's variables so xfuser's ``env://`` initialization works. MASTER_ADDR/MASTER_PORT
+    stay the job script's to set (e.g. the first host of the PBS node file). Returns whether it did."""
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        return False
+    found = {name: next((env[k] for k in keys if k in env), None) for name, keys in _MPI_ENV.items()}
+    if found["RANK"] is None or found["WORLD_SIZE"] is None:
+        return False
+    for name, value in found.items():
+        if value is not None:
+            env[name] = value
+    return True
 
 
 @functools.lru_cache(maxsize=None)

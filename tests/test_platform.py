@@ -124,3 +124,12 @@ def test_xpu_seeding_and_synchronize_go_to_the_device(fake_xpu):
     integration._patch_group_coordinator(gc)
     gc.synchronize()
     assert fake_xpu == [("seed", 5), ("synchronize",)]
+
+
+def test_mpiexec_environment_is_adopted():
+    env = {"PMI_RANK": "5", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "5", "PMI_LOCAL_SIZE": "12"}
+    assert platform.adopt_mpi_environment(env) is True
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("5", "24", "5", "12")
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "7"}
+    assert platform.adopt_mpi_environment(torchrun) is False and torchrun["RANK"] == "1"
+    assert platform.adopt_mpi_environment({}) is False
