@@ -179,3 +179,20 @@ def test_backend_options_reject_unknown_algorithms():
 
     with pytest.raises(ValueError, match="--cocodiff_a2a"):
         backend.Options(algorithm="ring")
+
+
+@pytest.mark.skipif(__import__("shutil").which("mpiexec") is None, reason="mpiexec not installed (apt-get install mpich)")
+def test_mpiexec_launch_matches_stock(tmp_path):
+    """No torchrun: ranks come from the MPI launcher's environment."""
+    import numpy as np
+
+    from cocodiff_xfuser.generate import output_dir
+    from cocodiff_xfuser.launcher import free_port
+    from cocodiff_xfuser.verify import Run
+
+    argv = Run(model="tiny-flux", ulysses_degree=2).argv(("ulysses", "cocodiff"), tmp_path)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stock, ours = (np.load(output_dir(tmp_path, "cocodiff/tiny-flux", b) / "images.npy") for b in ("ulysses", "cocodiff"))
+    assert stock.tobytes() == ours.tobytes()
