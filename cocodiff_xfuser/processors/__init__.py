@@ -86,6 +86,8 @@ def install(transformer: torch.nn.Module) -> int:
         if replacement is None:
             kept.add(name)
             continue
+        if not getattr(replacement, "accepts", lambda _: True)(processor):
+            continue  # no Ulysses exchange in this module (e.g. Wan's cross-attention)
         module.processor = replacement(processor)
         installed += 1
     logger.info("cocodiff: V-First processors installed in %d attention modules", installed)

@@ -1,7 +1,8 @@
 """PixArt self-attention (``xFuserAttnProcessor2_0``), V-First.
 
 Only the self-attention ``attn1`` runs under sequence parallelism (xfuser wraps it); the
-text cross-attention keeps diffusers' processor and is not touched.
+text cross-attention keeps diffusers' processor and is not touched. ``xFuserAttnProcessor2_0``
+is xfuser's generic processor (Latte uses it too); the same ops are reproduced for any user.
 """
 
 from __future__ import annotations

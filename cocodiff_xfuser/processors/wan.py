@@ -21,15 +21,23 @@ def _rope(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch
 class WanVFirstProcessor:
     """``xFuserWanAttnProcessor`` self-attention with V projected and exchanged before Q/K norm and RoPE.
 
-    A fused ``to_qkv`` is sliced at call time. Delegated to the stock processor: cross-attention
-    (no sequence parallelism), the I2V image context, the fused FlyDSL QK-norm/RoPE kernel and
-    attention kwargs that add per-head inputs to the exchange.
+    A fused ``to_qkv`` is sliced at call time. Cross-attention (no sequence parallelism) is
+    not accepted: it keeps the stock processor. Delegated to the stock processor: the I2V
+    image context, the fused FlyDSL QK-norm/RoPE kernel and attention kwargs that add
+    per-head inputs to the exchange.
     """
 
     def __init__(self, stock=None) -> None:
         from xfuser.model_executor.models.transformers.transformer_wan import xFuserWanAttnProcessor
 
         self.stock = stock if stock is not None else xFuserWanAttnProcessor()
+
+    @staticmethod
+    def accepts(stock) -> bool:
+        """Self-attention only: cross-attention has no Ulysses exchange and keeps the stock processor."""
+        from xfuser.model_executor.models.transformers import transformer_wan
+
+        return not stock.is_cross_attention and stock.attention_function is transformer_wan.USP
 
     def _unsupported(self, attn, rotary_emb) -> str | None:
         from xfuser.model_executor.models.transformers import transformer_wan
@@ -41,12 +49,9 @@ class WanVFirstProcessor:
         return ulysses.attention_kwargs_reason(self.stock.attention_kwargs)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        from xfuser.model_executor.models.transformers import transformer_wan
-
         stock = self.stock
         if (
-            stock.is_cross_attention
-            or stock.attention_function is not transformer_wan.USP
+            not self.accepts(stock)
             or encoder_hidden_states is not None
             or ulysses.fallback_reason(lambda: self._unsupported(attn, rotary_emb)) is not None
         ):

@@ -1,0 +1,245 @@
+"""V-First processors vs xfuser's own, on models with no tiny pipeline (FLUX.2, HunyuanVideo).
+
+Usage: torchrun --nproc-per-node N processors_worker.py --ulysses U --ring R [--cases a,b]
+
+Each case builds a small diffusers transformer from a seeded config, wrapped the way xfuser's
+runner does (its transformer wrapper installs xfuser's processors), and runs one forward with
+xfuser's processors and stock Ulysses exchanges, then one with the V-First processors installed
+over the active cocodiff backend. The outputs must be bitwise equal, and the V-First path must
+actually have run (its V exchanges are counted). Rank 0 prints ``CASE <name> ok`` per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+
+import torch
+import torch.distributed as dist
+
+RANK = 0
+V_EXCHANGES: collections.Counter = collections.Counter()
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(f"rank {RANK}: {msg}")
+
+
+def setup(ulysses: int, ring: int) -> None:
+    """xfuser's distributed and model-parallel state, as the runner builds it (gloo on CPU)."""
+    global RANK
+    from xfuser import xFuserArgs
+    from xfuser.core.distributed import init_distributed_environment, initialize_model_parallel
+    from xfuser.core.distributed import runtime_state
+
+    init_distributed_environment()
+    RANK = dist.get_rank()
+    initialize_model_parallel(sequence_parallel_degree=ulysses * ring, ulysses_degree=ulysses, ring_degree=ring)
+    engine_config, _ = xFuserArgs(model="tiny", ulysses_degree=ulysses, ring_degree=ring).create_config()
+
+    class State(runtime_state.DiTRuntimeState):
+        """xfuser's DiT runtime state without a pipeline (none is needed to run a transformer)."""
+
+        def __init__(self, config) -> None:
+            runtime_state.RuntimeState.__init__(self, config)
+            self.step_counter = None
+            self.split_text_embed_in_sp = True
+            self.text_embed_sp_pad = 0
+
+        def _check_distributed_env(self, parallel_config) -> None:
+            pass  # the groups exist already
+
+    runtime_state._RUNTIME = State(engine_config)
+
+    from cocodiff_xfuser.processors import ulysses as core
+
+    start = core.start_input_exchange
+
+    def counting(*tensors, label="qk"):
+        if label.endswith(".v"):
+            V_EXCHANGES[label] += 1
+        return start(*tensors, label=label)
+
+    core.start_input_exchange = counting
+
+
+def use_backend(v_first: bool) -> None:
+    """Stock Ulysses (xfuser's own exchanges), or the cocodiff backend with V-First."""
+    from xfuser.core.distributed import get_sp_group
+
+    from cocodiff_xfuser import backend
+
+    if v_first:
+        backend.activate(get_sp_group().ulysses_group, backend.Options(v_first=True))
+    else:
+        backend.deactivate()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
+
+
+def compare(name: str, build, inputs, expected_v: set[str]) -> None:
+    """Forward ``build()`` on ``inputs`` with xfuser's processors, then with V-First ones."""
+    from cocodiff_xfuser import processors
+
+    outputs = []
+    for v_first in (False, True):
+        use_backend(v_first)
+        torch.manual_seed(0)  # same weights on every rank and in both runs
+        model = build().eval()
+        if v_first:
+            installed = processors.install(model)
+            check(installed > 0, f"{name}: no V-First processor installed")
+        V_EXCHANGES.clear()
+        with torch.no_grad():
+            outputs.append(model(**inputs)[0])
+        if v_first:
+            check(set(V_EXCHANGES) == expected_v, f"{name}: V exchanges {dict(V_EXCHANGES)}, expected {expected_v}")
+        else:
+            check(not V_EXCHANGES, f"{name}: stock run went through V-First: {dict(V_EXCHANGES)}")
+    stock, ours = outputs
+    check(same_bits(stock, ours), f"{name}: V-First differs from stock, max abs diff {(stock - ours).abs().max()}")
+    check(bool(torch.isfinite(stock).all()) and stock.abs().max() > 0, f"{name}: degenerate output")
+    use_backend(False)
+
+
+# ------------------------------------------------------------------------------------- FLUX.2
+
+
+def flux2(fused: bool = False):
+    from xfuser.model_executor.models.transformers.transformer_flux2 import xFuserFlux2Transformer2DWrapper
+
+    def build():
+        model = xFuserFlux2Transformer2DWrapper(
+            patch_size=1,
+            in_channels=16,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=24,
+            timestep_guidance_channels=32,
+            # mlp_hidden_dim 176: the SwiGLU halves are not a multiple of the vector width, so
+            # an elementwise kernel would show a different memory layout than stock's.
+            mlp_ratio=2.75,
+            axes_dims_rope=(4, 4, 4, 4),
+        )
+        if fused:
+            for block in model.transformer_blocks:
+                block.attn.fuse_projections()
+        return model
+
+    gen = torch.Generator().manual_seed(1)
+    height, width, text = 4, 6, 8  # token counts divisible by the SP degree (2 or 4)
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1))
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text))
+    inputs = {
+        "hidden_states": torch.randn(1, height * width, 16, generator=gen),
+        "encoder_hidden_states": torch.randn(1, text, 24, generator=gen),
+        "timestep": torch.tensor([0.7]),
+        "img_ids": img_ids.unsqueeze(0).float(),
+        "txt_ids": txt_ids.unsqueeze(0).float(),
+        "guidance": torch.tensor([3.5]),
+        "return_dict": False,
+    }
+    return build, inputs, {"flux2.double.v", "flux2.single.v"}
+
+
+def case_flux2() -> None:
+    compare("flux2", *flux2())
+
+
+def case_flux2_fused() -> None:
+    compare("flux2 fused QKV", *flux2(fused=True))
+
+
+# ------------------------------------------------------------------------------- HunyuanVideo
+
+
+def hunyuan_video(valid_text: int):
+    """``valid_text`` unmasked text tokens: divisible by the SP degree, the text is split over
+    the ranks; otherwise every rank keeps it whole (``"rear"`` joint attention)."""
+    from xfuser.model_executor.models.transformers.transformer_hunyuan_video import (
+        xFuserHunyuanVideoTransformer3DWrapper,
+    )
+
+    config = {
+        "in_channels": 4,
+        "out_channels": 4,
+        "num_attention_heads": 4,
+        "attention_head_dim": 16,
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "num_refiner_layers": 1,
+        "mlp_ratio": 2.0,
+        "patch_size": 1,
+        "patch_size_t": 1,
+        "text_embed_dim": 24,
+        "pooled_projection_dim": 16,
+        "rope_axes_dim": (4, 6, 6),
+    }
+
+    def build():
+        return xFuserHunyuanVideoTransformer3DWrapper.from_config(config)
+
+    gen = torch.Generator().manual_seed(2)
+    text = 12
+    mask = torch.zeros(1, text, dtype=torch.long)
+    mask[:, :valid_text] = 1
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 2, 4, 4, generator=gen),
+        "timestep": torch.tensor([700]),
+        "encoder_hidden_states": torch.randn(1, text, 24, generator=gen),
+        "encoder_attention_mask": mask,
+        "pooled_projections": torch.randn(1, 16, generator=gen),
+        "guidance": torch.tensor([6000.0]),
+        "return_dict": False,
+    }
+    return build, inputs, {"hunyuan_video.dual.v", "hunyuan_video.single.v"}
+
+
+def case_hunyuan_video_split_text() -> None:
+    from xfuser.core.distributed import get_sequence_parallel_world_size
+
+    compare("hunyuan_video split text", *hunyuan_video(valid_text=2 * get_sequence_parallel_world_size()))
+
+
+def case_hunyuan_video_rear_text() -> None:
+    from xfuser.core.distributed import get_runtime_state, get_sequence_parallel_world_size
+
+    compare("hunyuan_video whole text", *hunyuan_video(valid_text=2 * get_sequence_parallel_world_size() + 1))
+    check(not get_runtime_state().split_text_embed_in_sp, "the text was split: the joint path did not run")
+
+
+CASES = {
+    "flux2": case_flux2,
+    "flux2_fused": case_flux2_fused,
+    "hunyuan_video_split_text": case_hunyuan_video_split_text,
+    "hunyuan_video_rear_text": case_hunyuan_video_rear_text,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ulysses", type=int, required=True)
+    parser.add_argument("--ring", type=int, default=1)
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    setup(args.ulysses, args.ring)
+    for name in args.cases.split(","):
+        CASES[name]()
+        dist.barrier()
+        if RANK == 0:
+            print(f"CASE {name} ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
