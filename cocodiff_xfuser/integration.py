@@ -31,7 +31,6 @@ logger = logging.getLogger("cocodiff_xfuser")
 TESTED_XFUSER_VERSION = "0.7.0"
 BACKEND_ENV = "XFUSER_SP_BACKEND"
 SP_BACKENDS = ("ulysses", "cocodiff")
-A2A_ALGORITHMS = ("auto", "flat", "hierarchical")
 
 # Modules whose body reads `torch.cuda.is_available() or envs._is_npu()` to decide whether to
 # import yunchang (PROCESS_GROUP, ring kernels, ...). On XPU/CPU the gate must be open while
@@ -113,15 +112,20 @@ def _target(owner: object, name: str) -> object:
 
 
 def _wrap(owner: object, name: str, make: Callable[[Callable], Callable]) -> None:
-    """Replace ``owner.name`` with ``make(original)``, once (re-wrapping is a no-op)."""
-    original = _target(owner, name)
+    """Replace ``owner.name`` with ``make(original)``, once (re-wrapping is a no-op).
+
+    Static and class methods are unwrapped, wrapped and re-wrapped as the same kind.
+    """
+    raw = _target(owner, name)
+    if isinstance(owner, type):
+        raw = vars(owner).get(name, raw)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    original = raw.__func__ if kind else raw
     if getattr(original, "_cocodiff_wrapped", False):
         return
-    wrapped = make(original)
-    if not isinstance(wrapped, (staticmethod, classmethod)):
-        functools.update_wrapper(wrapped, original)
+    wrapped = functools.update_wrapper(make(original), original)
     wrapped._cocodiff_wrapped = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapped)
+    setattr(owner, name, kind(wrapped) if kind else wrapped)
 
 
 def _platform():
@@ -401,6 +405,8 @@ def _patch_transformer_qwen(module: types.ModuleType) -> None:
 
 
 def _add_backend_args(parser) -> None:
+    from cocodiff_xfuser.autotune import MODES
+
     group = parser.add_argument_group("cocodiff-xfuser")
     default = os.environ.get(BACKEND_ENV, "ulysses").strip().lower() or "ulysses"
     if default not in SP_BACKENDS:
@@ -419,7 +425,7 @@ def _add_backend_args(parser) -> None:
     )
     group.add_argument(
         "--cocodiff_a2a",
-        choices=A2A_ALGORITHMS,
+        choices=MODES,
         default="auto",
         help="cocodiff: all-to-all algorithm; 'auto' measures flat vs hierarchical per message size.",
     )
@@ -443,34 +449,26 @@ def _patch_args(args_module: types.ModuleType) -> None:
                 _add_backend_args(parser)
             return parser
 
-        return staticmethod(add_args)
+        return add_args
 
-    for name in ("add_cli_args", "add_runner_args"):
-        original = _target(cls, name)
-        if not getattr(original, "_cocodiff_wrapped", False):
-            wrapped = adding_flags(original)
-            wrapped.__func__._cocodiff_wrapped = True
-            setattr(cls, name, wrapped)
+    _wrap(cls, "add_cli_args", adding_flags)
+    _wrap(cls, "add_runner_args", adding_flags)
 
     # from_*_args keep only dataclass fields; carry ours across as plain attributes.
-    def carrying(original, get):
-        def from_args(klass, args):
-            engine_args = original.__func__(klass, args)
-            for key in _BACKEND_KEYS:
-                setattr(engine_args, key, get(args, key))
-            return engine_args
+    def carrying(get):
+        def make(original):
+            def from_args(klass, args):
+                engine_args = original(klass, args)
+                for key in _BACKEND_KEYS:
+                    setattr(engine_args, key, get(args, key))
+                return engine_args
 
-        return classmethod(from_args)
+            return from_args
 
-    for name, get in (
-        ("from_cli_args", lambda a, k: getattr(a, k, None)),
-        ("from_runner_args", lambda a, k: a.get(k)),
-    ):
-        original = _target(cls, name)
-        if not getattr(original.__func__, "_cocodiff_wrapped", False):
-            wrapped = carrying(original, get)
-            wrapped.__func__._cocodiff_wrapped = True
-            setattr(cls, name, wrapped)
+        return make
+
+    _wrap(cls, "from_cli_args", carrying(lambda args, key: getattr(args, key, None)))
+    _wrap(cls, "from_runner_args", carrying(lambda args, key: args.get(key)))
 
     def make(original):
         def create_config(self):
