@@ -1,9 +1,13 @@
-"""Choose flat or hierarchical all-to-all per (group, message size), by measuring on first use.
+"""Choose the all-to-all algorithm per (group, message size), by measuring on first use.
 
-Which exchange wins depends on the links and the message size (Tutel: hierarchical loses for
-large messages at small scale; on a shared node uplink it always loses), so ``auto`` mode times
-both on the real group the first time a size bucket (next power of two of the bytes per rank)
-is seen, then caches the decision.
+Candidates on a group: ``flat`` (stock: ``all_to_all_single`` through functional collectives,
+what xfuser does), ``flat-p2p`` (the same exchange with every receive posted before any send;
+gloo groups only, see :mod:`cocodiff_xfuser.collectives`) and ``hierarchical`` (TAPA; groups with
+a plan of two or more levels; its phases are receives-first on gloo). Which wins depends on the
+links, the backend and the message size (Tutel: hierarchical loses for large messages at small
+scale; on a shared node uplink it always loses), so ``auto`` mode times the candidates on the
+real group the first time a size bucket (next power of two of the bytes per rank) is seen, then
+caches the decision. On a tie (within ``margin``) the simpler algorithm wins.
 
 Collective safety: a measurement is a sequence of collectives over the group, so every rank of
 the group must reach ``choose`` for the same bucket at the same point, which SPMD model code
@@ -14,9 +18,11 @@ imported cache must be imported on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
@@ -24,11 +30,22 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .collectives import AllToAllHandle, HierarchicalAllToAll, flat_all_to_all, start_flat_all_to_all
+from .collectives import (
+    AllToAllHandle,
+    HierarchicalAllToAll,
+    flat_all_to_all,
+    p2p_all_to_all,
+    start_flat_all_to_all,
+    start_p2p_all_to_all,
+    uses_receives_first,
+)
 
 logger = logging.getLogger("cocodiff_xfuser")
 
-MODES = ("auto", "flat", "hierarchical")
+#: Values of ``--cocodiff_a2a``: ``auto`` or a forced algorithm (ALGORITHMS).
+MODES = ("auto", "flat", "hierarchical", "flat-p2p")
+#: Algorithms, simplest first (on a tie within ``margin`` the simpler one wins).
+ALGORITHMS = ("flat", "flat-p2p", "hierarchical")
 
 
 @dataclass(frozen=True)
@@ -36,10 +53,15 @@ class Decision:
     group: tuple[int, ...]
     bucket_bytes: int
     algorithm: str
-    # Best repetition of the max over ranks: background noise only ever adds time, and a
-    # median of a handful of repetitions let one noisy burst flip decisions on a busy machine.
+    # Per candidate, the ``statistic`` (median by default, see AutoAllToAll) over repetitions of
+    # the max over ranks. None: not measured (not a candidate on that group).
     flat_s: float | None = None
     hierarchical_s: float | None = None
+    flat_p2p_s: float | None = None
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e3:.3g} ms"
 
 
 def size_bucket(nbytes: int) -> int:
@@ -82,22 +104,32 @@ def time_interleaved(
 
 
 class AutoAllToAll:
-    """All-to-all that picks flat or hierarchical per (group, size bucket).
+    """All-to-all that picks ``flat``, ``flat-p2p`` or ``hierarchical`` per (group, size bucket).
 
-    ``mode``: ``"auto"`` (measure on first use), ``"flat"`` or ``"hierarchical"`` (forced;
-    groups without a hierarchical plan always use flat). Hierarchical must beat flat by
-    ``margin`` (relative) to be chosen: on a tie the simpler exchange wins.
+    ``mode``: ``"auto"`` (measure the candidates on first use), or a forced algorithm:
+    ``"flat"`` (stock), ``"flat-p2p"`` (non-gloo groups use flat), ``"hierarchical"`` (groups
+    without a hierarchical plan use flat). The simplest candidate whose time is within ``margin``
+    (relative) of the fastest one is chosen: on a tie the simpler exchange wins.
     """
 
     def __init__(
         self,
         hierarchical: HierarchicalAllToAll | None,
         mode: str = "auto",
-        reps: int = 5,
+        reps: int = 7,
         margin: float = 0.03,
+        statistic: str = "median",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown all-to-all mode {mode!r}; expected one of {MODES}")
+        if statistic not in ("median", "min"):
+            raise ValueError(f"statistic {statistic!r}: expected 'median' or 'min'")
+        # The median, not the best repetition: gloo's stock exchange has a bimodal time (its
+        # send-before-receive order serializes a pair's two directions in some repetitions and not
+        # in others; measured on an emulated 2x2 shared uplink at 16 MiB: min 65 ms, median 104 ms,
+        # while flat-p2p was 66 / 75 ms), so its minimum is not what a run gets. Candidates run
+        # interleaved, so background bursts hit them alike; ``reps`` is odd so the median is one run.
+        self.statistic = statistic
         self.hierarchical = hierarchical
         self.mode = mode
         self.reps = reps
@@ -105,31 +137,53 @@ class AutoAllToAll:
         self.decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
         self._group_ranks: dict[Any, tuple[int, ...]] = {}
 
-    def choose(self, x: torch.Tensor, group: Any = None) -> str:
-        """``"flat"`` or ``"hierarchical"`` for exchanging ``x`` over ``group`` (collective in auto mode)."""
+    def candidates(self, x: torch.Tensor, group: Any = None) -> tuple[str, ...]:
+        """Algorithms available for ``x`` over ``group``, simplest first (the same on every rank)."""
         group = group if group is not None else dist.group.WORLD
-        if self.mode == "flat" or self.hierarchical is None or not self.hierarchical.levels(group):
+        found = ["flat"]
+        if uses_receives_first(group, x.device):
+            found.append("flat-p2p")
+        if self.hierarchical is not None and self.hierarchical.levels(group):
+            found.append("hierarchical")
+        return tuple(found)
+
+    def choose(self, x: torch.Tensor, group: Any = None) -> str:
+        """The algorithm (one of ``ALGORITHMS``) for exchanging ``x`` over ``group``.
+
+        Collective over ``group`` in auto mode when the (group, size bucket) is new.
+        """
+        group = group if group is not None else dist.group.WORLD
+        if self.mode == "flat":
             return "flat"
-        if self.mode == "hierarchical":
-            return "hierarchical"
+        candidates = self.candidates(x, group)
+        if self.mode != "auto":
+            return self.mode if self.mode in candidates else "flat"
+        if len(candidates) == 1:
+            return "flat"
         key = (self._ranks(group), size_bucket(x.numel() * x.element_size()))
         if key not in self.decisions:
-            self.decisions[key] = self._measure(x, group, *key)
+            self.decisions[key] = self._measure(x, group, *key, candidates)
             d = self.decisions[key]
             logger.info(
-                "all-to-all over group %s, %d-byte bucket: %s (flat %.3g ms, hierarchical %.3g ms)",
-                list(d.group), d.bucket_bytes, d.algorithm, d.flat_s * 1e3, d.hierarchical_s * 1e3,
+                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, hierarchical %s)",
+                list(d.group), d.bucket_bytes, d.algorithm, _ms(d.flat_s), _ms(d.flat_p2p_s), _ms(d.hierarchical_s),
             )
         return self.decisions[key].algorithm
 
     def start(self, x: torch.Tensor, group: Any = None) -> AllToAllHandle:
-        if self.choose(x, group) == "hierarchical":
+        algorithm = self.choose(x, group)
+        if algorithm == "hierarchical":
             return self.hierarchical.start(x, group)
+        if algorithm == "flat-p2p":
+            return start_p2p_all_to_all(x, group)
         return start_flat_all_to_all(x, group)
 
     def __call__(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
-        if self.choose(x, group) == "hierarchical":
+        algorithm = self.choose(x, group)
+        if algorithm == "hierarchical":
             return self.hierarchical(x, group)
+        if algorithm == "flat-p2p":
+            return p2p_all_to_all(x, group)
         return flat_all_to_all(x, group)
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,8 +197,9 @@ class AutoAllToAll:
     def load_dict(self, data: Mapping[str, Any]) -> None:
         """Add decisions from ``to_dict`` output; every rank must load the same data."""
         for raw in data.get("decisions", []):
-            d = Decision(**{**raw, "group": tuple(raw["group"])})
-            if d.algorithm not in MODES[1:]:
+            known = {f.name for f in dataclasses.fields(Decision)}
+            d = Decision(**{k: v for k, v in raw.items() if k in known} | {"group": tuple(raw["group"])})
+            if d.algorithm not in ALGORITHMS:
                 raise ValueError(f"invalid algorithm {d.algorithm!r} in decision {raw}")
             self.decisions[(d.group, d.bucket_bytes)] = d
 
@@ -161,13 +216,30 @@ class AutoAllToAll:
             self._group_ranks[group] = tuple(sorted(dist.get_process_group_ranks(group)))
         return self._group_ranks[group]
 
-    def _measure(self, x: torch.Tensor, group: Any, ranks: tuple[int, ...], bucket: int) -> Decision:
-        times = time_interleaved(
-            {"flat": lambda: flat_all_to_all(x, group), "hierarchical": lambda: self.hierarchical(x, group)},
-            group,
-            x.device,
-            self.reps,
+    def _measure(
+        self, x: torch.Tensor, group: Any, ranks: tuple[int, ...], bucket: int, candidates: tuple[str, ...]
+    ) -> Decision:
+        # Module-level names are looked up at call time (tests substitute them).
+        ops = {
+            "flat": lambda: flat_all_to_all(x, group),
+            "flat-p2p": lambda: p2p_all_to_all(x, group),
+            "hierarchical": lambda: self.hierarchical(x, group),
+        }
+        times = time_interleaved({name: ops[name] for name in candidates}, group, x.device, self.reps)
+        reduce = statistics.median if self.statistic == "median" else min
+        best = {name: float(reduce(t)) for name, t in times.items()}
+        algorithm = pick(best, self.margin)
+        return Decision(
+            ranks, bucket, algorithm, best.get("flat"), best.get("hierarchical"), best.get("flat-p2p")
         )
-        flat_s, hier_s = min(times["flat"]), min(times["hierarchical"])
-        algorithm = "hierarchical" if hier_s < flat_s * (1 - self.margin) else "flat"
-        return Decision(ranks, bucket, algorithm, flat_s, hier_s)
+
+
+def pick(times: Mapping[str, float], margin: float) -> str:
+    """The algorithm to use given each candidate's time: the fastest, unless a simpler candidate
+    (earlier in ``ALGORITHMS``) is within ``margin`` of it. Deterministic: equal inputs give the
+    same answer on every rank."""
+    fastest = min(times.values())
+    for name in ALGORITHMS:
+        if name in times and fastest >= times[name] * (1 - margin):
+            return name
+    raise ValueError(f"no known algorithm in {sorted(times)}")

@@ -1,4 +1,4 @@
-"""Flat vs hierarchical all-to-all on real gloo process groups (torchrun, CPU).
+"""Flat, flat-p2p (receives-first) and hierarchical all-to-all on real gloo process groups (torchrun, CPU).
 
 Each process start costs seconds on a small machine, so one launch per world size runs all
 cases (tests/workers/collectives_worker.py) and the tests below read its report.
@@ -15,7 +15,7 @@ from cocodiff_xfuser.launcher import TorchrunError, torchrun
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "workers" / "collectives_worker.py"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-CASES = ["semantics", "layouts", "subgroups", "async", "uneven"]
+CASES = ["semantics", "layouts", "subgroups", "async", "uneven", "p2p", "p2p_async"]
 
 
 def run_cases(nproc: int) -> str:

@@ -25,8 +25,14 @@ from cocodiff_xfuser.collectives import (
     FlatHandle,
     HierarchicalAllToAll,
     HierarchicalHandle,
+    ReceivesFirstHandle,
+    backend_name,
     flat_all_to_all,
+    p2p_all_to_all,
+    post_receives_first,
     start_flat_all_to_all,
+    start_p2p_all_to_all,
+    uses_receives_first,
 )
 from cocodiff_xfuser.topology import Topology
 
@@ -74,6 +80,13 @@ def check_against_flat(hier: HierarchicalAllToAll, group, size: int, dtypes=DTYP
         got = hier(x, group)
         check(same_bits(ref, got), f"{tag} {dtype} {shape}: hierarchical != flat")
         check(same_bits(hier.start(x, group).wait(), ref), f"{tag} {dtype} {shape}: async != flat")
+        # gloo: the default phases above are receives-first p2p; the gloo collective phases too.
+        check(same_bits(hier(x, group, receives_first=False), ref), f"{tag} {dtype} {shape}: collective phases")
+        check(
+            same_bits(hier.start(x, group, receives_first=False).wait(), ref),
+            f"{tag} {dtype} {shape}: async collective phases",
+        )
+        check(same_bits(p2p_all_to_all(x, group), ref), f"{tag} {dtype} {shape}: flat-p2p != flat")
         check(same_bits(x, x_before), f"{tag} {dtype} {shape}: input modified")
 
 
@@ -184,6 +197,105 @@ def case_uneven() -> None:
     check(torch.equal(hier(x, None, outs, ins), want), "uneven blocking via hierarchical entry point")
 
 
+def case_p2p() -> None:
+    """Receives-first exchanges: primitive, flat-p2p handle, fallbacks, bitwise vs all_to_all_single."""
+    check(backend_name() == "gloo" and uses_receives_first(), f"world backend {backend_name()!r} should be gloo")
+    check(backend_name(None, "cuda") == "gloo", "device lookup in 'cpu:gloo,cuda:gloo'")
+    check(not uses_receives_first(None, "cuda"), "receives-first is for CPU tensors only")
+    # The primitive against dist.all_to_all_single (the c10d op, not the functional wrapper).
+    for dtype in DTYPES:
+        for numel in (WORLD, WORLD * 7, WORLD * 65536 + 0):
+            x = rand_bits((numel,), dtype, 7).view(-1)
+            ref = torch.empty_like(x.view(torch.uint8) if dtype.itemsize == 1 else x)
+            dist.all_to_all_single(ref, x.view(ref.dtype))
+            out = torch.empty_like(ref)
+            works = post_receives_first(out, x.view(ref.dtype))
+            for w in works:
+                w.wait()
+            check(same_bits(out, ref), f"post_receives_first {dtype} {numel} != all_to_all_single")
+            check(len(works) == 2 * (WORLD - 1), f"expected {2 * (WORLD - 1)} works, got {len(works)}")
+    try:
+        post_receives_first(torch.zeros(WORLD + 1), torch.zeros(WORLD + 1))
+        check(False, "indivisible size accepted")
+    except ValueError:
+        pass
+    # Handles: every dtype and layout, multi-dim, non-contiguous input, empty chunks.
+    shapes = [(WORLD,), (WORLD * 3,), (WORLD * 257,), (2 * WORLD, 3, 5), (0, 4)]
+    for seed, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in shapes):
+        x = rand_bits(shape, dtype, 50 + seed)
+        x_before = x.clone()
+        ref = flat_all_to_all(x)
+        handle = start_p2p_all_to_all(x)
+        check(isinstance(handle, ReceivesFirstHandle), "gloo equal splits must use the receives-first handle")
+        check(handle.progress(), "flat-p2p has a single phase: progress is True at once")
+        got = handle.wait()
+        check(same_bits(got, ref), f"flat-p2p {dtype} {shape} != flat")
+        check(handle.wait() is got, "wait must be idempotent")
+        check(same_bits(x, x_before), f"flat-p2p {dtype} {shape}: input modified")
+    xt = rand_bits((8, WORLD * 2), torch.bfloat16, 9).t()  # non-contiguous, dim 0 divisible
+    check(same_bits(p2p_all_to_all(xt), flat_all_to_all(xt)), "flat-p2p non-contiguous input")
+    # Fallback to the stock exchange: uneven splits.
+    ins = [(RANK + d) % 3 + 1 for d in range(WORLD)]
+    outs = [(s + RANK) % 3 + 1 for s in range(WORLD)]
+    x = torch.arange(sum(ins), dtype=torch.float32) + 100 * RANK
+    handle = start_p2p_all_to_all(x, None, outs, ins)
+    check(isinstance(handle, FlatHandle), "uneven splits must use the flat exchange")
+    check(torch.equal(handle.wait(), flat_all_to_all(x, None, outs, ins)), "uneven via flat-p2p entry point")
+    start_flat_all_to_all(torch.zeros(WORLD)).wait()  # keep every rank's collective sequence equal
+
+
+def case_p2p_async() -> None:
+    """Receives-first exchanges in flight together: flat-p2p, pollable and blocking hierarchical
+    p2p phases, gloo collectives, same sizes on the same groups, advanced differently per rank."""
+    spec = {4: "2x2", 8: "2x2x2"}[WORLD]
+    topo = Topology.parse(spec)
+    hier = HierarchicalAllToAll(topo, [list(range(WORLD))])
+    n = WORLD * 8192
+    xs = [rand_bits((n,), torch.bfloat16, 500 + i) for i in range(8)]
+    refs = [flat_all_to_all(x) for x in xs]
+    eager = topo.coords(RANK)[-2] == 1
+    a = hier.start(xs[0])  # p2p phases, pollable: waiter thread on every non-final phase
+    check(isinstance(a, HierarchicalHandle) and a._p2p, "gloo hierarchical handles use receives-first phases")
+    b = start_p2p_all_to_all(xs[1])
+    c = hier.start(xs[2])
+    if eager:
+        # The waiter thread lets progress launch later phases without any wait() call.
+        deadline = time.monotonic() + 10
+        while not a.progress() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        check(a.progress(), "progress never launched the last phase of a receives-first handle")
+    d = start_p2p_all_to_all(xs[3])  # same size and group as b: matched in posting order
+    e = hier.start(xs[4], receives_first=False)  # gloo collective phases alongside p2p ones
+    f = hier.start(xs[5], pollable=False)
+    g = hier(xs[6])  # blocking while others are in flight
+    h = start_flat_all_to_all(xs[7])
+    if not eager:
+        c.progress()
+    got_c = c.wait()  # forces a's pending launches first on the non-eager ranks
+    got = [a.wait(), b.wait(), got_c, d.wait(), e.wait(), f.wait(), g, h.wait()]
+    for i, (gt, r) in enumerate(zip(got, refs)):
+        check(same_bits(gt, r), f"in-flight receives-first exchange {i} differs from flat")
+    # Results never alias pool buffers, and inputs may be reused once waited.
+    fresh = HierarchicalAllToAll(topo, [list(range(WORLD))])
+    x = rand_bits((n,), torch.float32, 600)
+    kept, results = [], []
+    for i in range(6):
+        y = (fresh.start(x) if i % 2 else start_p2p_all_to_all(x)).wait()
+        results.append(y)
+        kept.append(y.clone())
+        x.copy_(rand_bits((n,), torch.float32, 601 + i))  # reuse the input buffer
+    for i in range(4):
+        fresh(rand_bits((n,), torch.float32, 700 + i))
+        fresh.start(rand_bits((n,), torch.float32, 710 + i)).wait()
+    for y, k in zip(results, kept):
+        check(same_bits(y, k), "a returned tensor was overwritten by a later exchange")
+    # A flat-p2p handle dropped without wait() still completes and does not steal the next
+    # exchange's messages on the same pairs.
+    start_p2p_all_to_all(rand_bits((n,), torch.float32, 800))
+    x = rand_bits((n,), torch.float32, 801)
+    check(same_bits(p2p_all_to_all(x), flat_all_to_all(x)), "exchange after a dropped handle")
+
+
 class _CountingTimer:
     """Wraps autotune.time_interleaved to count measurements."""
 
@@ -249,32 +361,73 @@ def case_autotune(tmpdir: str) -> None:
             ref = flat_all_to_all(x)
             check(same_bits(tuner(x), ref) and same_bits(tuner.start(x).wait(), ref), "tuned exchange != flat")
 
+        # Every candidate of a gloo group with a plan is measured; the cache keeps all timings.
+        check(tuner.candidates(xs[0]) == ("flat", "flat-p2p", "hierarchical"), f"candidates {tuner.candidates(xs[0])}")
+        for d in tuner.decisions.values():
+            check(d.algorithm in autotune.ALGORITHMS, f"decision {d}")
+            check(all(t is not None and t > 0 for t in (d.flat_s, d.flat_p2p_s, d.hierarchical_s)), f"timings {d}")
+
         # MAX over ranks: one slow rank decides for everyone.
         slow_hier = AutoAllToAll(_Slowed(hier, slow_rank=0))
-        check(slow_hier.choose(xs[0]) == "flat", "hierarchical slow on rank 0: all ranks must pick flat")
-        orig_flat = autotune.flat_all_to_all
+        check(slow_hier.choose(xs[0]) != "hierarchical", "hierarchical slow on rank 0: no rank may pick it")
+        orig_flat, orig_p2p = autotune.flat_all_to_all, autotune.p2p_all_to_all
 
-        def slow_flat(x, group=None):
-            if RANK == 1:
-                time.sleep(0.02)
-            return orig_flat(x, group)
+        def slowed(fn, rank):
+            def slow(x, group=None):
+                if RANK == rank:
+                    time.sleep(0.02)
+                return fn(x, group)
 
-        autotune.flat_all_to_all = slow_flat
+            return slow
+
+        autotune.flat_all_to_all, autotune.p2p_all_to_all = slowed(orig_flat, 1), slowed(orig_p2p, 2)
         try:
-            check(AutoAllToAll(hier).choose(xs[0]) == "hierarchical", "flat slow on rank 1: all must pick hierarchical")
+            check(AutoAllToAll(hier).choose(xs[0]) == "hierarchical", "flat/p2p slow on ranks 1/2: all must pick hierarchical")
+        finally:
+            autotune.flat_all_to_all, autotune.p2p_all_to_all = orig_flat, orig_p2p
+        autotune.flat_all_to_all = slowed(orig_flat, 1)
+        try:
+            pick = AutoAllToAll(_Slowed(hier, slow_rank=3)).choose(xs[0])
+            check(pick == "flat-p2p", f"flat slow on rank 1, hierarchical on rank 3: all must pick flat-p2p, got {pick}")
         finally:
             autotune.flat_all_to_all = orig_flat
 
-        # Overrides and groups without a hierarchical plan never measure.
+        # Overrides and single-candidate groups never measure.
         calls = timer.calls
         check(AutoAllToAll(hier, mode="flat").choose(xs[0]) == "flat", "flat override")
         check(AutoAllToAll(hier, mode="hierarchical").choose(xs[0]) == "hierarchical", "hierarchical override")
+        check(AutoAllToAll(hier, mode="flat-p2p").choose(xs[0]) == "flat-p2p", "flat-p2p override")
+        forced = AutoAllToAll(hier, mode="flat-p2p")
+        ref = flat_all_to_all(xs[0])
+        check(isinstance(forced.start(xs[0]), ReceivesFirstHandle), "flat-p2p override must start a p2p handle")
+        check(same_bits(forced(xs[0]), ref) and same_bits(forced.start(xs[0]).wait(), ref), "flat-p2p override != flat")
+        check(isinstance(AutoAllToAll(hier, mode="flat").start(xs[0]), FlatHandle), "flat override: stock handle")
         pairs = [[0, 1], [2, 3]]
         pair = make_groups(pairs)
         one_level = AutoAllToAll(HierarchicalAllToAll(Topology.parse("2x2"), pairs), mode="hierarchical")
         check(one_level.choose(xs[0], pair) == "flat", "a one-level group must use flat")
-        check(AutoAllToAll(None).choose(xs[0]) == "flat", "no hierarchical plan: flat")
+        check(AutoAllToAll(None, mode="hierarchical").choose(xs[0]) == "flat", "no hierarchical plan: flat")
+        check(AutoAllToAll(None, mode="flat-p2p").choose(xs[0]) == "flat-p2p", "no plan, gloo: flat-p2p")
         check(timer.calls == calls, "overrides must not measure")
+        # auto without a plan on gloo: flat vs flat-p2p only.
+        no_plan = AutoAllToAll(None)
+        check(no_plan.candidates(xs[0]) == ("flat", "flat-p2p"), "no plan: two candidates")
+        check(no_plan.choose(xs[0]) in ("flat", "flat-p2p") and timer.calls == calls + 1, "no plan: one measurement")
+        d = next(iter(no_plan.decisions.values()))
+        check(d.hierarchical_s is None and d.flat_p2p_s > 0, f"no plan: decision {d}")
+
+        # Decisions written before flat-p2p existed (and unknown future fields) still load.
+        old = {"version": 1, "topology": "2x2", "decisions": [
+            {"group": list(range(WORLD)), "bucket_bytes": 1 << 30, "algorithm": "hierarchical",
+             "flat_s": 0.2, "hierarchical_s": 0.1, "some_future_field": 1}]}
+        legacy = AutoAllToAll(hier)
+        legacy.load_dict(old)
+        check(legacy.decisions[(tuple(range(WORLD)), 1 << 30)].flat_p2p_s is None, "legacy decision")
+        try:
+            AutoAllToAll(hier).load_dict({"decisions": [dict(old["decisions"][0], algorithm="fast")]})
+            check(False, "invalid algorithm accepted")
+        except ValueError:
+            pass
         try:
             AutoAllToAll(hier, mode="fast")
             check(False, "invalid mode accepted")
@@ -305,6 +458,8 @@ CASES = {
     "subgroups": case_subgroups,
     "async": case_async,
     "uneven": case_uneven,
+    "p2p": case_p2p,
+    "p2p_async": case_p2p_async,
     "autotune": case_autotune,
 }
 

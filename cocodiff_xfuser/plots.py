@@ -1,0 +1,60 @@
+"""Figures for benchmark reports (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+# (JSON key, legend label, line style)
+_A2A_SERIES = (
+    ("flat", "flat (stock all_to_all_single)", dict(color="tab:gray", marker="o")),
+    ("flat_p2p", "flat-p2p (receives first)", dict(color="tab:blue", marker="s")),
+    ("hierarchical", "hierarchical (TAPA)", dict(color="tab:red", marker="^")),
+    ("hierarchical_collective", "hierarchical, gloo op per phase", dict(color="tab:orange", marker="v", linestyle="--")),
+)
+
+
+def plot_a2a(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Time vs message size per algorithm (median line, min as a faint marker), with the fabric's
+    physical bounds (any routing; flat's direct routes) when the report has them."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    results = list(report["results"])
+    sizes = [r["size_bytes"] / 2**20 for r in results]
+    fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
+    for key, label, style in _A2A_SERIES:
+        if not all(f"{key}_s" in r for r in results):
+            continue
+        ax.plot(sizes, [r[f"{key}_s"] * 1e3 for r in results], label=f"{label} (median)", **style)
+        ax.plot(sizes, [r[f"{key}_min_s"] * 1e3 for r in results], linestyle="none", marker=style["marker"],
+                color=style["color"], alpha=0.35)
+    if all(r.get("bound_s") for r in results):
+        ax.plot(sizes, [r["bound_s"] * 1e3 for r in results], color="black", linestyle="-", linewidth=1.2,
+                label="physical bound (best routing)")
+        ax.plot(sizes, [r["bound_flat_routes_s"] * 1e3 for r in results], color="black", linestyle=":",
+                linewidth=1.2, label="bound on flat's direct routes")
+    for s, r in zip(sizes, results):
+        ax.annotate(f"{r['chosen'].replace('_', '-')}\n{r['speedup_vs_flat']:.2f}x", (s, r["chosen_s"] * 1e3),
+                    textcoords="offset points", xytext=(7, 2), fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    ax.set_xlabel("message size per rank (MiB)")
+    ax.set_ylabel("time (ms), latest end over ranks")
+    fabric = report.get("fabric") or "loopback"
+    ax.set_title(
+        f"all-to-all on {fabric} {report.get('nodes', '?')}x{report.get('local', '?')}"
+        f" ({report.get('dtype', '')}, {report.get('reps', '?')} reps; faint: min)",
+        fontsize=10,
+    )
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
