@@ -175,6 +175,6 @@ def run_cli(args) -> int:
                        {k: float(v) for k, v in params.items()} if params else None, args.timeout)
     stem = f"e2e-{args.model}-{args.fabric}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plots.e2e_breakdown(report, out / f"{stem}.png")
+    plots.plot_e2e(report, out / f"{stem}.png")
     print(json.dumps(report) if args.json else format_report(report) + f"\nwritten: {out / stem}.json, .png")
     return 0
