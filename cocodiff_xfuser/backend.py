@@ -7,7 +7,9 @@ module knows nothing about how it is wired in.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,9 @@ from cocodiff_xfuser.autotune import MODES, AutoAllToAll
 from cocodiff_xfuser.collectives import AllToAllHandle, HierarchicalAllToAll
 
 logger = logging.getLogger("cocodiff_xfuser")
+
+# A JSON file of autotune decisions: loaded at activation when it exists, written at exit.
+DECISIONS_ENV = "COCODIFF_A2A_DECISIONS"
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class CocodiffBackend:
         self.group = group
         self.options = options
         self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank()
         # Collective over the world: every rank learns every Ulysses group, resolves the same
         # topology and creates the same sub-groups in the same order.
         groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -62,6 +68,16 @@ class CocodiffBackend:
         hierarchical = HierarchicalAllToAll(self.topology, groups)
         self.levels = hierarchical.levels(group)
         self.exchange = AutoAllToAll(hierarchical, mode=options.algorithm)
+        self._decisions_file = os.environ.get(DECISIONS_ENV)
+        if self._decisions_file and os.path.exists(self._decisions_file):
+            # Every rank reads the same file, so every rank skips the same measurements.
+            self.exchange.import_json(self._decisions_file)
+            logger.info("cocodiff: all-to-all decisions loaded from %s", self._decisions_file)
+
+    def save_decisions(self) -> None:
+        """Rank 0 writes the autotune decisions to ``$COCODIFF_A2A_DECISIONS`` (a cost model reads them)."""
+        if self._decisions_file and self.rank == 0:
+            self.exchange.export_json(self._decisions_file)
 
     # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
     # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
@@ -95,6 +111,7 @@ def activate(group: dist.ProcessGroup, options: Options) -> CocodiffBackend:
     if _ACTIVE is not None and _ACTIVE.group is group and _ACTIVE.options == options:
         return _ACTIVE
     _ACTIVE = CocodiffBackend(group, options)
+    atexit.register(_ACTIVE.save_decisions)
     logger.info("cocodiff: %s", _ACTIVE.describe())
     return _ACTIVE
 

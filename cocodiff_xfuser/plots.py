@@ -80,10 +80,11 @@ def plot_e2e(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
            hatch="//", label="all-to-all hidden by V-First")
     for i, c in enumerate(configs):
         ax.annotate(f"{c['speedup_vs_stock']:.2f}x", (i, compute[i] + exposed[i]), ha="center", va="bottom")
+    ax.set_ylim(0, 1.4 * max(a + b + c for a, b, c in zip(compute, exposed, hidden)))
     ax.set_ylabel("ms per denoising step")
     ax.set_title(f"{report['model']} {report['size']}px, ulysses {report['ulysses_degree']}, "
                  f"{report['fabric']} {report['nodes']}x{report['local']}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

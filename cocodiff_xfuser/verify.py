@@ -25,6 +25,7 @@ class Run:
     model: str
     ulysses_degree: int
     ring_degree: int = 1
+    cfg: bool = False  # CFG parallel: the two guidance halves on two rank groups
     topology: str | None = None
     steps: int | None = None
     height: int | None = None
@@ -35,7 +36,7 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        return self.ulysses_degree * self.ring_degree
+        return self.ulysses_degree * self.ring_degree * (2 if self.cfg else 1)
 
     def check(self) -> None:
         """Clear errors for bad input, before any process starts (and so before anything can hang)."""
@@ -54,6 +55,7 @@ class Run:
             "--model", tiny_models.SPECS[self.model].model_id,
             "--ulysses_degree", str(self.ulysses_degree),
             "--ring_degree", str(self.ring_degree),
+            *(["--use_cfg_parallel"] if self.cfg else []),
             "--prompt", PROMPT,
             "--seed", str(self.seed),
         ]

@@ -16,15 +16,18 @@ from cocodiff_xfuser.generate import output_dir
 from cocodiff_xfuser.verify import PROMPT, Run, compare
 
 MODELS = sorted(tiny_models.SPECS)
-# (ulysses, ring, emulated topology, cocodiff flags). 2x2 with ulysses 4 has two levels, so the
-# hierarchical exchange is forced there (on loopback the autotune would pick flat); ulysses 2
-# groups span one level and always use the flat exchange.
-LAYOUTS = [
-    (2, 1, "2x1", ()),
-    (4, 1, "2x2", ("--cocodiff_a2a", "hierarchical")),
-    (2, 2, "2x2", ()),
-]
-LAYOUT_IDS = [f"u{u}r{r}" for u, r, _, _ in LAYOUTS]
+# Models with classifier-free guidance (two batch halves) can split them over CFG ranks.
+CFG_MODELS = [m for m in MODELS if m != "tiny-flux"]
+# id -> (ulysses, ring, CFG parallel, emulated topology, cocodiff flags). On 2x2, ulysses 4 spans
+# two levels, so the hierarchical exchange is forced there (on loopback the autotune would pick
+# flat); ulysses 2 groups span one level and use a flat exchange.
+LAYOUTS = {
+    "u2r1": (2, 1, False, "2x1", ()),
+    "u4r1": (4, 1, False, "2x2", ("--cocodiff_a2a", "hierarchical")),
+    "u2r2": (2, 2, False, "2x2", ()),
+    "u2cfg2": (2, 1, True, "2x2", ()),
+}
+CASES = [(model, name) for name, layout in LAYOUTS.items() for model in (CFG_MODELS if layout[2] else MODELS)]
 # Stock Ulysses vs one process: same weights and seed, different reduction orders (sharded
 # attention, ring merges). Images are in [0, 1].
 SINGLE_PROCESS_ATOL = 2e-3
@@ -33,17 +36,18 @@ BACKENDS = ("ulysses", "cocodiff", "cocodiff+vfirst")
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory) -> dict[tuple[int, int], Path]:
+def generated(tmp_path_factory) -> dict[str, Path]:
     for model in MODELS:
         tiny_models.ensure_fixture(model)
     outputs = {}
-    for ulysses, ring, topology, flags in LAYOUTS:
-        out = tmp_path_factory.mktemp(f"u{ulysses}r{ring}")
-        run = Run(model=MODELS[0], ulysses_degree=ulysses, ring_degree=ring, topology=topology, seed=SEED, extra=flags)
+    for layout, (ulysses, ring, cfg, topology, flags) in LAYOUTS.items():
+        out = tmp_path_factory.mktemp(layout)
+        models = CFG_MODELS if cfg else MODELS
+        run = Run(model=models[0], ulysses_degree=ulysses, ring_degree=ring, cfg=cfg, topology=topology, seed=SEED, extra=flags)
         argv = run.argv(BACKENDS, out)
-        argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in MODELS)
+        argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in models)
         launcher.torchrun(run.world_size, argv, timeout=900)
-        outputs[(ulysses, ring)] = out
+        outputs[layout] = out
     return outputs
 
 
@@ -52,15 +56,13 @@ def _images(out: Path, model: str, backend: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("variant", BACKENDS[1:])
-@pytest.mark.parametrize("layout", [(u, r) for u, r, _, _ in LAYOUTS], ids=LAYOUT_IDS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model, layout", CASES)
 def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, variant):
     report = compare(_images(generated[layout], model, "ulysses"), _images(generated[layout], model, variant))
     assert report["bitwise_equal"], report
 
 
-@pytest.mark.parametrize("layout", [(u, r) for u, r, _, _ in LAYOUTS], ids=LAYOUT_IDS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model, layout", CASES)
 def test_stock_ulysses_matches_one_diffusers_process(generated, model, layout):
     reference = tiny_models.reference_images(model, PROMPT, seed=SEED)
     stock = _images(generated[layout], model, "ulysses")

@@ -196,3 +196,20 @@ def test_mpiexec_launch_matches_stock(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     stock, ours = (np.load(output_dir(tmp_path, "cocodiff/tiny-flux", b) / "images.npy") for b in ("ulysses", "cocodiff"))
     assert stock.tobytes() == ours.tobytes()
+
+
+def test_autotune_decisions_are_exported_and_reloaded(tmp_path):
+    """COCODIFF_A2A_DECISIONS: written at exit by one job, loaded by the next (same decisions)."""
+    import json
+
+    from cocodiff_xfuser import launcher
+    from cocodiff_xfuser.verify import Run
+
+    decisions = tmp_path / "a2a.json"
+    argv = Run(model="tiny-flux", ulysses_degree=4, topology="2x2").argv(("cocodiff",), tmp_path / "out")
+    launcher.torchrun(4, argv, env={"COCODIFF_A2A_DECISIONS": str(decisions)}, timeout=600)
+    first = json.loads(decisions.read_text())
+    assert first["topology"] == "2x2" and first["decisions"], first
+    second = launcher.torchrun(4, argv, env={"COCODIFF_A2A_DECISIONS": str(decisions)}, timeout=600)
+    assert "decisions loaded from" in second.stdout + second.stderr
+    assert json.loads(decisions.read_text())["decisions"] == first["decisions"]

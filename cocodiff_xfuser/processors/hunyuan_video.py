@@ -57,10 +57,7 @@ class HunyuanVideoVFirstProcessor:
 
         query = _heads(attn, attn.to_q(hidden_states))
         key = _heads(attn, attn.to_k(hidden_states))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key = ulysses.norm_qk(attn, query, key)
         if image_rotary_emb is not None:
             if not dual:
                 query = torch.cat([apply_rotary_emb(query[:, :, :-text], image_rotary_emb), query[:, :, -text:]], dim=2)
@@ -71,10 +68,7 @@ class HunyuanVideoVFirstProcessor:
         if dual:
             encoder_query = _heads(attn, attn.add_q_proj(encoder_hidden_states))
             encoder_key = _heads(attn, attn.add_k_proj(encoder_hidden_states))
-            if attn.norm_added_q is not None:
-                encoder_query = attn.norm_added_q(encoder_query)
-            if attn.norm_added_k is not None:
-                encoder_key = attn.norm_added_k(encoder_key)
+            encoder_query, encoder_key = ulysses.norm_qk(attn, encoder_query, encoder_key, added=True)
             query = torch.cat([query, encoder_query], dim=2)
             key = torch.cat([key, encoder_key], dim=2)
 

@@ -63,10 +63,7 @@ class PixArtVFirstProcessor:
 
         query = attn.to_q(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)
         key = attn.to_k(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key = ulysses.norm_qk(attn, query, key)
 
         out = ulysses.attention(query, key, pending_v)
         out = out.transpose(1, 2).reshape(batch, -1, heads * head_dim).to(query.dtype)

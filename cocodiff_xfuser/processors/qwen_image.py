@@ -48,14 +48,8 @@ class QwenImageVFirstProcessor:
         img_key = attn.to_k(hidden_states).unflatten(-1, (heads, -1))
         txt_query = attn.add_q_proj(encoder_hidden_states).unflatten(-1, (heads, -1))
         txt_key = attn.add_k_proj(encoder_hidden_states).unflatten(-1, (heads, -1))
-        if attn.norm_q is not None:
-            img_query = attn.norm_q(img_query)
-        if attn.norm_k is not None:
-            img_key = attn.norm_k(img_key)
-        if attn.norm_added_q is not None:
-            txt_query = attn.norm_added_q(txt_query)
-        if attn.norm_added_k is not None:
-            txt_key = attn.norm_added_k(txt_key)
+        img_query, img_key = ulysses.norm_qk(attn, img_query, img_key)
+        txt_query, txt_key = ulysses.norm_qk(attn, txt_query, txt_key, added=True)
         if image_rotary_emb is not None:
             img_freqs, txt_freqs = image_rotary_emb
             img_query = apply_rotary_emb_qwen(img_query, img_freqs, use_real=False)

@@ -22,10 +22,7 @@ def image_only_joint_attention(attn, hidden_states: torch.Tensor) -> torch.Tenso
     query = query.view(batch, -1, attn.heads, head_dim)
     key = key.view(batch, -1, attn.heads, head_dim)
     value = value.view(batch, -1, attn.heads, head_dim)
-    if attn.norm_q is not None:
-        query = attn.norm_q(query)
-    if attn.norm_k is not None:
-        key = attn.norm_k(key)
+    query, key = ulysses.norm_qk(attn, query, key)
     out = USP(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_layer=attn)
     out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
     return attn.to_out[1](attn.to_out[0](out))
@@ -76,14 +73,8 @@ class SD3VFirstProcessor:
         key = _heads(attn, attn.to_k(hidden_states), head_dim)
         encoder_query = _heads(attn, attn.add_q_proj(encoder_hidden_states), head_dim)
         encoder_key = _heads(attn, attn.add_k_proj(encoder_hidden_states), head_dim)
-        if attn.norm_added_q is not None:
-            encoder_query = attn.norm_added_q(encoder_query)
-        if attn.norm_added_k is not None:
-            encoder_key = attn.norm_added_k(encoder_key)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        encoder_query, encoder_key = ulysses.norm_qk(attn, encoder_query, encoder_key, added=True)
+        query, key = ulysses.norm_qk(attn, query, key)
 
         if split_text:
             attention_kwargs = _joint_sp_padding_attention_kwargs(query, encoder_query)
@@ -116,10 +107,7 @@ def _image_only_v_first(attn, hidden_states: torch.Tensor) -> torch.Tensor:
     pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="sd3.image.v")
     query = attn.to_q(hidden_states).view(batch, -1, attn.heads, head_dim)
     key = attn.to_k(hidden_states).view(batch, -1, attn.heads, head_dim)
-    if attn.norm_q is not None:
-        query = attn.norm_q(query)
-    if attn.norm_k is not None:
-        key = attn.norm_k(key)
+    query, key = ulysses.norm_qk(attn, query, key)
     out = ulysses.attention(query.transpose(1, 2), key.transpose(1, 2), pending_v)
     out = out.transpose(1, 2).reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
     return attn.to_out[1](attn.to_out[0](out))

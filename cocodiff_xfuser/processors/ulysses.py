@@ -152,6 +152,12 @@ def linear_rows(layer: torch.nn.Linear, x: torch.Tensor, part: int, parts: int =
     return linear_slice(layer, x, part * rows, (part + 1) * rows)
 
 
+def norm_qk(attn, query: torch.Tensor, key: torch.Tensor, added: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention module's optional QK-norm of the image stream or, with ``added``, the text stream."""
+    norm_q, norm_k = (attn.norm_added_q, attn.norm_added_k) if added else (attn.norm_q, attn.norm_k)
+    return (query if norm_q is None else norm_q(query)), (key if norm_k is None else norm_k(key))
+
+
 def project(attn, x: torch.Tensor, which: str, added: bool = False) -> torch.Tensor:
     """Q, K or V (``which`` in 'qkv') of the image stream or, with ``added``, the text stream.
 
