@@ -170,9 +170,9 @@ def run_cli(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    params = dict(kv.split("=", 1) for kv in args.param) if args.param else None
+    params = {key: float(value) for key, value in (kv.split("=", 1) for kv in args.param)}
     report = bench_e2e(args.fabric, args.model, args.nodes, args.local, args.size, args.steps, args.repeat,
-                       {k: float(v) for k, v in params.items()} if params else None, args.timeout)
+                       params or None, args.timeout)
     stem = f"e2e-{args.model}-{args.fabric}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     plots.plot_e2e(report, out / f"{stem}.png")

@@ -18,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--model", required=True, choices=sorted(tiny_models.SPECS))
     verify.add_argument("--ulysses-degree", type=int, required=True)
     verify.add_argument("--ring-degree", type=int, default=1)
+    verify.add_argument("--cfg-parallel", action="store_true", help="guidance halves on two rank groups (CFG models)")
     verify.add_argument("--topology", default=None, help="emulated NxL[xT] (nodes x ranks per node [x tiles])")
     verify.add_argument("--steps", type=int, default=None)
     verify.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")

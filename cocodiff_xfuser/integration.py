@@ -413,24 +413,28 @@ def _add_backend_args(parser) -> None:
         raise ValueError(f"{BACKEND_ENV}={default!r}: expected one of {', '.join(SP_BACKENDS)}")
     group.add_argument(
         "--sp_backend",
+        "--sp-backend",
         choices=SP_BACKENDS,
         default=default,
         help=f"Sequence-parallel backend: stock 'ulysses' or 'cocodiff' (default from ${BACKEND_ENV}, else ulysses).",
     )
     group.add_argument(
         "--cocodiff_topology",
+        "--cocodiff-topology",
         default=None,
         help="cocodiff: hardware levels as NxL[xT] (nodes x ranks per node [x tiles]), a preset in configs/ "
         "(aurora, dgx-h100) or 'auto' (detected from hostnames and LOCAL_WORLD_SIZE; the default).",
     )
     group.add_argument(
         "--cocodiff_a2a",
+        "--cocodiff-a2a",
         choices=MODES,
         default="auto",
         help="cocodiff: all-to-all algorithm; 'auto' measures flat vs hierarchical per message size.",
     )
     group.add_argument(
         "--cocodiff_v_first",
+        "--cocodiff-v-first",
         action="store_true",
         help="cocodiff: V-First attention processors (V's exchange overlaps Q/K projection, norm and RoPE).",
     )

@@ -82,3 +82,18 @@ def test_smoke_rail_2x2(tmp_path, capsys):
     assert r["bound_flat_routes_s"] == pytest.approx(2 * r["bound_s"])
     assert r["fraction_of_bound"] == pytest.approx(r["chosen_s"] / r["bound_s"])
     assert set(r["autotune_s"]) == {"flat", "flat_p2p", "hierarchical"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["rail", "shared-uplink"])
+def test_documented_benchmark_runs_on_both_regimes(preset, tmp_path, capsys):
+    """The runs behind docs/benchmarks.md (4-16 MiB per rank): complete and lossless, never timed here."""
+    _need_fabric()
+    args = argparse.Namespace(
+        fabric=preset, nodes=2, local=2, sizes_mib="4,8,16", reps=9, out=str(tmp_path), json=True, timeout=900
+    )
+    assert bench.run_cli(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["size_bytes"] >> 20 for r in report["results"]] == [4, 8, 16]
+    for r in report["results"]:
+        assert r["chosen"] in report["candidates"] and r["fraction_of_bound"] >= 0.9 and r["bound_s"] > 0
