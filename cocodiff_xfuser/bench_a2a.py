@@ -296,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if report is not None:
             print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+        # No rank may tear its connections down while a peer still talks on them: a gloo pair
+        # reset mid-message aborts the peer (seen once as "terminate called" at exit).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
