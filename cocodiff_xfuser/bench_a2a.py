@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from . import platform
 from .autotune import AutoAllToAll, size_bucket, synchronize
 from .collectives import HierarchicalAllToAll, flat_all_to_all, p2p_all_to_all, uses_receives_first
 from .topology import Topology, resolve
@@ -279,15 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(float(s) * 2**20) for s in args.sizes_mib.split(",") if s.strip()]
 
     torch.set_num_threads(1)
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
-        torch.cuda.set_device(device)
-    elif hasattr(torch, "xpu") and torch.xpu.is_available():
-        device, backend = torch.device("xpu", int(os.environ.get("LOCAL_RANK", 0))), "xccl"
-        torch.xpu.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend)
+    plat = platform.detect()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    plat.set_device(local_rank)
+    device = plat.device(local_rank)
+    dist.init_process_group(plat.dist_backend)
     try:
         topology = resolve(args.topology, dist.get_world_size())
         report = run_benchmark(

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from cocodiff_xfuser import tiny_models
+from cocodiff_xfuser.bench_a2a import topology_for
 from cocodiff_xfuser.fabric import Fabric
 from cocodiff_xfuser.generate import output_dir
 from cocodiff_xfuser.verify import Run, compare
@@ -85,7 +86,8 @@ def bench_e2e(
     timeout: float = 900.0,
 ) -> dict:
     fabric = Fabric(fabric_name, nodes, local, params=params)
-    run = Run(model=model, ulysses_degree=fabric.world, topology=f"{nodes}x{local}", steps=steps, height=size, width=size)
+    topology = topology_for(fabric_name, nodes, local)
+    run = Run(model=model, ulysses_degree=fabric.world, topology=topology, steps=steps, height=size, width=size)
     run.check()
     tiny_models.ensure_fixture(model)
     reports = {}
