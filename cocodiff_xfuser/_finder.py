@@ -1,4 +1,4 @@
-"""Import hook that lets :mod:`cocodiff_xfuser.integration` patch xfuser modules as they load.
+"""Import hook that lets :mod:`cocodiff_xfuser.xfuser` patch xfuser modules as they load.
 
 Installed from ``cocodiff_xfuser.pth`` in every interpreter, so it must stay cheap and inert:
 it imports nothing heavy and does nothing until a module of the ``xfuser`` package is imported.
@@ -41,9 +41,9 @@ class XfuserFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != "xfuser" and not fullname.startswith("xfuser."):
             return None
-        from cocodiff_xfuser import integration
+        from cocodiff_xfuser import xfuser as hooks
 
-        if not integration.is_hooked(fullname):
+        if not hooks.is_hooked(fullname):
             return None
         # Delegating to every finder (itself included) would recurse forever.
         later = sys.meta_path[sys.meta_path.index(self) + 1 :]
@@ -51,7 +51,7 @@ class XfuserFinder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, integration.before_exec, integration.after_exec)
+                    spec.loader = _Loader(spec.loader, hooks.before_exec, hooks.after_exec)
                 return spec
         return None
 

@@ -1,8 +1,8 @@
 """The cocodiff sequence-parallel backend of one process: its Ulysses group and exchange plan.
 
-:mod:`cocodiff_xfuser.integration` activates it once xfuser has built its process groups and
-sends every Ulysses all-to-all here; V-First processors start exchanges through it. This
-module knows nothing about how it is wired in.
+:mod:`cocodiff_xfuser.xfuser` activates it once xfuser has built its process groups and sends
+every Ulysses all-to-all here; V-First processors start their exchanges (in and out) through
+it. This module knows nothing about how it is wired in.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import topology as topo
-from cocodiff_xfuser.autotune import MODES, AutoAllToAll
-from cocodiff_xfuser.collectives import AllToAllHandle, HierarchicalAllToAll
+from cocodiff_xfuser.comm import topology as topo
+from cocodiff_xfuser.comm.autotune import AutoAllToAll
+from cocodiff_xfuser.comm.flat import AllToAllHandle
+from cocodiff_xfuser.comm.registry import A2A_SETTINGS, Registry
+from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -30,12 +32,12 @@ class Options:
     """What a user chose on the command line (``--cocodiff_*`` flags)."""
 
     topology: str | None = None  # NxL[xT], a preset name/path, or None/"auto" to detect
-    algorithm: str = "auto"  # all-to-all: auto | flat | hierarchical
+    a2a: str = "auto"  # all-to-all: one of A2A_SETTINGS
     v_first: bool = False
 
     def __post_init__(self) -> None:
-        if self.algorithm not in MODES:
-            raise ValueError(f"--cocodiff_a2a {self.algorithm!r}: expected one of {', '.join(MODES)}")
+        if self.a2a not in A2A_SETTINGS:
+            raise ValueError(f"--cocodiff-a2a {self.a2a!r}: expected one of {', '.join(A2A_SETTINGS)}")
 
 
 class _Reshaping:
@@ -65,9 +67,9 @@ class CocodiffBackend:
         dist.all_gather_object(groups, dist.get_process_group_ranks(group))
         spec = None if options.topology in (None, "", "auto") else options.topology
         self.topology = topo.resolve(spec, dist.get_world_size())
-        hierarchical = HierarchicalAllToAll(self.topology, groups)
-        self.levels = hierarchical.levels(group)
-        self.exchange = AutoAllToAll(hierarchical, mode=options.algorithm)
+        tapa = HierarchicalAllToAll(self.topology, groups)
+        self.levels = tapa.levels(group)
+        self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._decisions_file = os.environ.get(DECISIONS_ENV)
         if self._decisions_file and os.path.exists(self._decisions_file):
             # Every rank reads the same file, so every rank skips the same measurements.
@@ -94,7 +96,7 @@ class CocodiffBackend:
         plan = "x".join(map(str, self.levels)) if self.levels else "flat only"
         return (
             f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
-            f"levels {plan}, all-to-all {self.options.algorithm}, V-First {'on' if self.options.v_first else 'off'}"
+            f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}"
         )
 
 

@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from cocodiff_xfuser.platform import detect
 
 CALIBRATION_CALLS = 3
 _enabled = os.environ.get("COCODIFF_COMM_STATS", "") not in ("", "0")
@@ -40,19 +46,20 @@ _totals = _Totals()
 _overlap: dict[tuple[str, int], _Overlap] = defaultdict(_Overlap)
 
 
-def enable(on: bool = True) -> None:
-    global _enabled
-    _enabled = on
-
-
 def enabled() -> bool:
     return _enabled
 
 
-def synchronize() -> None:
-    from cocodiff_xfuser.platform import detect
-
-    detect().synchronize()
+def timed_exchange(exchange: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``exchange(x)``, blocking; with statistics on, its bytes and the time it blocked are recorded."""
+    if not _enabled:
+        return exchange(x)
+    detect().synchronize(x.device)
+    started = time.perf_counter()
+    out = exchange(x)
+    detect().synchronize(x.device)
+    record_exchange(x.numel() * x.element_size(), time.perf_counter() - started)
+    return out
 
 
 def record_exchange(nbytes: int, blocked_s: float) -> None:
@@ -100,11 +107,9 @@ def report() -> dict:
     return {"exchanges": _totals.exchanges, "bytes": _totals.bytes, "blocked_s": _totals.blocked_s, "overlap": overlap}
 
 
-def reset(keep_calibration: bool = True) -> None:
-    """Zero the totals (and the exposed times); calibrations survive unless asked otherwise."""
+def reset() -> None:
+    """Zero the totals and the exposed times; calibrations survive."""
     global _totals
     _totals = _Totals()
     for stats in _overlap.values():
         stats.exposed_s.clear()
-        if not keep_calibration:
-            stats.calibration_s.clear()

@@ -1,6 +1,6 @@
 """The accelerator this process runs on: CUDA + nccl, Intel XPU + xccl (or oneCCL's ccl), or CPU + gloo.
 
-xfuser 0.7.0 assumes CUDA-like devices in many places; :mod:`cocodiff_xfuser.integration`
+xfuser 0.7.0 assumes CUDA-like devices in many places; :mod:`cocodiff_xfuser.xfuser.devices`
 routes those places through the :class:`Platform` detected here. Nothing in this module
 patches anything.
 """
@@ -39,9 +39,10 @@ class Platform:
         if self.name != "cpu":
             getattr(torch, self.name).set_device(local_rank)
 
-    def synchronize(self) -> None:
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait for the queued work of ``device`` (default: the current one); a no-op on CPU."""
         if self.name != "cpu":
-            getattr(torch, self.name).synchronize()
+            getattr(torch, self.name).synchronize(device if device is not None and device.type == self.name else None)
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)

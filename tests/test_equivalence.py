@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cocodiff_xfuser import launcher, tiny_models
-from cocodiff_xfuser.generate import output_dir
-from cocodiff_xfuser.verify import PROMPT, Run, compare
+from cocodiff_xfuser.tools import launcher
+from cocodiff_xfuser.tools.models import tiny as tiny_models
+from cocodiff_xfuser.tools.generate import output_dir
+from cocodiff_xfuser.tools.verify import PROMPT, Run, compare
 
 MODELS = sorted(tiny_models.SPECS)
 # Models with classifier-free guidance (two batch halves) can split them over CFG ranks.

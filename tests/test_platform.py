@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from cocodiff_xfuser import integration, platform
+from cocodiff_xfuser import platform
+from cocodiff_xfuser.xfuser import devices
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def fake_xpu(monkeypatch, fresh_detect):
         is_available=lambda: True,
         _is_in_bad_fork=lambda: True,  # keeps torch.manual_seed from seeding the fake device itself
         set_device=lambda i: calls.append(("set_device", i)),
-        synchronize=lambda: calls.append(("synchronize",)),
+        synchronize=lambda device=None: calls.append(("synchronize",)),
         manual_seed_all=lambda s: calls.append(("seed", s)),
         Event=lambda enable_timing=True: ("xpu-event", enable_timing),
     )
@@ -83,7 +84,7 @@ def test_xfuser_envs_report_the_xpu(fake_xpu):
     envs.PACKAGES_CHECKER = types.SimpleNamespace(packages_info={"has_long_ctx_attn": False})
     saved = (torch.cuda.synchronize, torch.cuda.Event)
     try:
-        integration._patch_envs(envs)
+        devices.patch_envs(envs, cocodiff_requested=False)
         assert envs.get_torch_distributed_backend() == "xccl"
         assert envs.get_device(2) == torch.device("xpu", 2)
         assert envs.get_device_name() == "xpu"
@@ -100,7 +101,7 @@ def test_xpu_device_is_bound_before_the_process_group_starts(fake_xpu, monkeypat
     ps.set_device = None
     ps.init_distributed_environment = lambda *a, **k: fake_xpu.append(("init",))
     monkeypatch.setenv("LOCAL_RANK", "3")
-    integration._patch_parallel_state(ps)
+    devices.patch_parallel_state(ps)
     ps.init_distributed_environment()
     assert fake_xpu == [("set_device", 3), ("init",)]
 
@@ -117,11 +118,11 @@ def test_xpu_seeding_and_synchronize_go_to_the_device(fake_xpu):
             pass
 
     rs.RuntimeState = RuntimeState
-    integration._patch_runtime_state(rs)
+    devices.patch_runtime_state(rs)
     rs.device_manual_seed(5)
     gc = types.ModuleType("fake_group_coordinator")
     gc.synchronize = None
-    integration._patch_group_coordinator(gc)
+    devices.patch_group_coordinator(gc)
     gc.synchronize()
     assert fake_xpu == [("seed", 5), ("synchronize",)]
 

@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 
 from cocodiff_xfuser.processors import ulysses
-
-
-def _has_fused_qk_kernel() -> str | None:
-    from xfuser.model_executor.models.transformers import transformer_flux
-
-    return "the fused FlyDSL QK-norm/RoPE kernel" if transformer_flux._HAS_FLYDSL else None
+from cocodiff_xfuser.xfuser import compat
 
 
 class FluxVFirstProcessor:
@@ -22,7 +17,7 @@ class FluxVFirstProcessor:
         self.stock = stock if stock is not None else xFuserFluxAttnProcessor()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        if ulysses.fallback_reason(_has_fused_qk_kernel) is not None:
+        if ulysses.fallback_reason(lambda: compat.fused_qk_kernel_reason("flux")) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         from diffusers.models.embeddings import apply_rotary_emb
 

@@ -6,12 +6,7 @@ from __future__ import annotations
 import torch
 
 from cocodiff_xfuser.processors import ulysses
-
-
-def _has_fused_qk_kernel() -> str | None:
-    from xfuser.model_executor.models.transformers import transformer_flux2
-
-    return "the fused FlyDSL QK-norm/RoPE kernel" if transformer_flux2._HAS_FLYDSL else None
+from cocodiff_xfuser.xfuser import compat
 
 
 class Flux2VFirstProcessor:
@@ -28,7 +23,7 @@ class Flux2VFirstProcessor:
         def unsupported():
             if joint and encoder_hidden_states is None:
                 return "FLUX.2 joint attention without a text stream"
-            return _has_fused_qk_kernel()
+            return compat.fused_qk_kernel_reason("flux2")
 
         if ulysses.fallback_reason(unsupported) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
@@ -78,7 +73,7 @@ class Flux2SingleVFirstProcessor:
         self.stock = stock if stock is not None else xFuserFlux2ParallelSelfAttnProcessor()
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None, **kwargs):
-        if ulysses.fallback_reason(_has_fused_qk_kernel) is not None:
+        if ulysses.fallback_reason(lambda: compat.fused_qk_kernel_reason("flux2")) is not None:
             return self.stock(attn, hidden_states, attention_mask, image_rotary_emb, **kwargs)
         from diffusers.models.embeddings import apply_rotary_emb
 

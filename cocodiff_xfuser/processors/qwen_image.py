@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 
 from cocodiff_xfuser.processors import ulysses
-
-
-def _has_fused_qk_kernel() -> str | None:
-    from xfuser.model_executor.models.transformers import transformer_qwen
-
-    return "the fused FlyDSL QK-norm/RoPE kernel" if transformer_qwen._HAS_FLYDSL else None
+from cocodiff_xfuser.xfuser import compat
 
 
 class QwenImageVFirstProcessor:
@@ -33,7 +28,7 @@ class QwenImageVFirstProcessor:
         attention_mask=None,
         image_rotary_emb=None,
     ):
-        if ulysses.fallback_reason(_has_fused_qk_kernel) is not None:
+        if ulysses.fallback_reason(lambda: compat.fused_qk_kernel_reason("qwen")) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb)
         from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cocodiff_xfuser.processors import ulysses
+from cocodiff_xfuser.xfuser import compat
 
 
 def image_only_joint_attention(attn, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,10 @@ class SD3VFirstProcessor:
         if encoder_hidden_states is None:
             return _image_only_v_first(attn, hidden_states)
         from xfuser.core.distributed import get_runtime_state
-        from xfuser.model_executor.layers.attention_processor import _joint_sp_padding_attention_kwargs
+
+        _joint_sp_padding_attention_kwargs = compat.private(
+            "xfuser.model_executor.layers.attention_processor", "_joint_sp_padding_attention_kwargs"
+        )
 
         split_text = get_runtime_state().split_text_embed_in_sp
         head_dim = attn.to_k.out_features // attn.heads

@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 
 from cocodiff_xfuser import backend, commstats
+from cocodiff_xfuser.platform import detect
+from cocodiff_xfuser.xfuser import compat
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
@@ -48,7 +50,7 @@ class PendingExchange:
         waited = time.perf_counter()
         exchanged = self._handle.wait() if self._exchanged is None else self._exchanged
         if commstats.enabled():
-            commstats.synchronize()
+            detect().synchronize(exchanged.device)
             commstats.record_async(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
         n, b, local_heads, d = self._shape
         return torch.unbind(exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, -1, d), dim=0)
@@ -79,13 +81,13 @@ def attention(
     (:func:`attention_kwargs_reason` says which ones this does not handle).
     """
     from xfuser.core.distributed import get_ring_parallel_world_size
-    from xfuser.model_executor.layers import usp
+    from xfuser.model_executor.layers.usp import ring_attn
 
     value.progress()
     joint_attn_kwargs = None
     if joint_strategy:
-        query = usp._concat_joint_tensor(query, joint_query, joint_strategy, dim=2)
-        joint_key, joint_value = usp._preprocess_joint_tensors(joint_key, joint_value)
+        query = compat.usp("_concat_joint_tensor")(query, joint_query, joint_strategy, dim=2)
+        joint_key, joint_value = compat.usp("_preprocess_joint_tensors")(joint_key, joint_value)
         joint_attn_kwargs = {
             "joint_value": joint_value,
             "joint_key": joint_key,
@@ -99,21 +101,34 @@ def attention(
         pending_q, pending_k = start_input_exchange(query, label="q"), start_input_exchange(key, label="k")
         (query,), (key,) = pending_q.wait(), pending_k.wait()
     (value,) = value.wait()
-    key, value = usp._trim_trailing_kv_padding(key, value, attention_kwargs)
-    attention_function = usp._get_attention_function()
+    key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
+    attention_function = compat.usp("_get_attention_function")()
     kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
     if get_ring_parallel_world_size() == 1:
         out, _ = attention_function(query, key, value, **kwargs)
     else:
-        out = usp.ring_attn(attention_function, query, key, value, **kwargs)
-    return usp._ft_c_output_all_to_all(out)
+        out = ring_attn(attention_function, query, key, value, **kwargs)
+    return output_exchange(out)
+
+
+def output_exchange(out: torch.Tensor) -> torch.Tensor:
+    """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``.
+
+    The layout changes of xfuser's ``_ft_c_output_all_to_all``; the exchange goes to the backend
+    directly, like the input exchanges.
+    """
+    active = backend.active()
+    world = active.world_size
+    b, h, s, d = out.shape
+    exchanged = commstats.timed_exchange(active.all_to_all, out.permute(2, 0, 1, 3).contiguous())
+    return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)
 
 
 def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
     """Why :func:`attention` cannot reproduce ``USP`` with these ``attention_kwargs`` (None: it can)."""
-    from xfuser.model_executor.layers import usp
+    from xfuser.model_executor.layers.usp import ULYSSES_EXTRA_INPUTS_KEY
 
-    if attention_kwargs and attention_kwargs.get(usp.ULYSSES_EXTRA_INPUTS_KEY):
+    if attention_kwargs and attention_kwargs.get(ULYSSES_EXTRA_INPUTS_KEY):
         return "extra per-head attention inputs (ulysses_extra_inputs)"
     return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cocodiff_xfuser.processors import ulysses
+from cocodiff_xfuser.xfuser import compat
 
 
 def _rope(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -40,12 +41,10 @@ class WanVFirstProcessor:
         return not stock.is_cross_attention and stock.attention_function is transformer_wan.USP
 
     def _unsupported(self, attn, rotary_emb) -> str | None:
-        from xfuser.model_executor.models.transformers import transformer_wan
-
         if attn.add_k_proj is not None:
             return "Wan image-to-video image context"
-        if transformer_wan._HAS_FLYDSL and rotary_emb is not None:
-            return "the fused FlyDSL QK-norm/RoPE kernel"
+        if rotary_emb is not None and compat.fused_qk_kernel_reason("wan"):
+            return compat.fused_qk_kernel_reason("wan")
         return ulysses.attention_kwargs_reason(self.stock.attention_kwargs)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):

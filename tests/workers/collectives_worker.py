@@ -1,4 +1,4 @@
-"""Distributed test cases for collectives.py and autotune.py, run under torchrun (gloo, CPU).
+"""Distributed test cases for the exchanges of cocodiff_xfuser.comm (flat, tapa, registry, autotune), run under torchrun (gloo, CPU).
 
 Usage: torchrun --nproc-per-node N collectives_worker.py --cases a,b,c [--tmpdir DIR]
 
@@ -19,12 +19,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import cocodiff_xfuser.autotune as autotune
-from cocodiff_xfuser.autotune import AutoAllToAll
-from cocodiff_xfuser.collectives import (
+import dataclasses
+
+import cocodiff_xfuser.comm.autotune as autotune
+from cocodiff_xfuser.comm.autotune import AutoAllToAll
+from cocodiff_xfuser.comm.flat import (
     FlatHandle,
-    HierarchicalAllToAll,
-    HierarchicalHandle,
     ReceivesFirstHandle,
     backend_name,
     flat_all_to_all,
@@ -34,7 +34,10 @@ from cocodiff_xfuser.collectives import (
     start_p2p_all_to_all,
     uses_receives_first,
 )
-from cocodiff_xfuser.topology import Topology
+from cocodiff_xfuser.comm.registry import ALGORITHMS, Registry
+from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle
+from cocodiff_xfuser.comm.topology import Topology
+from cocodiff_xfuser.tools import same_bits
 
 RANK = WORLD = 0
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn]
@@ -55,12 +58,6 @@ def rand_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Te
     return torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-    )
-
-
 def make_groups(groups: list[list[int]]):
     """Create one process group per list (collective); return this rank's group."""
     mine = None
@@ -77,6 +74,10 @@ def check_against_flat(hier: HierarchicalAllToAll, group, size: int, dtypes=DTYP
         x = rand_bits(shape, dtype, seed)
         x_before = x.clone()
         ref = flat_all_to_all(x, group)
+        check(same_bits(p2p_all_to_all(x, group), ref), f"{tag} {dtype} {shape}: flat-p2p != flat")
+        if not hier.levels(group):
+            check(hier.reason(x, group) is not None, f"{tag}: a group without a plan must be refused")
+            continue
         got = hier(x, group)
         check(same_bits(ref, got), f"{tag} {dtype} {shape}: hierarchical != flat")
         check(same_bits(hier.start(x, group).wait(), ref), f"{tag} {dtype} {shape}: async != flat")
@@ -86,7 +87,6 @@ def check_against_flat(hier: HierarchicalAllToAll, group, size: int, dtypes=DTYP
             same_bits(hier.start(x, group, receives_first=False).wait(), ref),
             f"{tag} {dtype} {shape}: async collective phases",
         )
-        check(same_bits(p2p_all_to_all(x, group), ref), f"{tag} {dtype} {shape}: flat-p2p != flat")
         check(same_bits(x, x_before), f"{tag} {dtype} {shape}: input modified")
 
 
@@ -133,9 +133,11 @@ def case_subgroups() -> None:
         size = len(next(g for g in groups if RANK in g))
         check_against_flat(hier, group, size, [torch.float32, torch.bfloat16], tag=f"{spec} {groups}")
         if not levels:
-            handle = hier.start(torch.zeros(size), group)
-            check(isinstance(handle, FlatHandle), "flat fallback expected")
-            handle.wait()
+            try:
+                hier.start(torch.zeros(size), group)
+                check(False, "a group without a plan must not start a hierarchical exchange")
+            except ValueError:
+                pass
 
 
 def case_async() -> None:
@@ -184,17 +186,23 @@ def case_async() -> None:
 
 
 def case_uneven() -> None:
-    """Uneven splits: flat exchange, and the hierarchical entry point falls back to it."""
+    """Uneven splits: the flat exchange; the others refuse what they cannot exchange (no silent flat)."""
     ins = [(RANK + d) % 3 + 1 for d in range(WORLD)]
     outs = [(s + RANK) % 3 + 1 for s in range(WORLD)]
     x = torch.tensor([[RANK * 100 + d * 10 + i] * 2 for d in range(WORLD) for i in range(ins[d])], dtype=torch.float32)
     want = torch.tensor([[s * 100 + RANK * 10 + i] * 2 for s in range(WORLD) for i in range(outs[s])], dtype=torch.float32)
     check(torch.equal(flat_all_to_all(x, None, outs, ins), want), "uneven flat")
     hier = HierarchicalAllToAll(Topology.parse({4: "2x2", 8: "2x2x2"}[WORLD]), [list(range(WORLD))])
-    handle = hier.start(x, None, outs, ins)
-    check(isinstance(handle, FlatHandle), "uneven splits must use the flat exchange")
-    check(torch.equal(handle.wait(), want), "uneven via hierarchical entry point")
-    check(torch.equal(hier(x, None, outs, ins), want), "uneven blocking via hierarchical entry point")
+    registry = Registry(hier)
+    odd = torch.zeros(WORLD + 1)
+    for name in ("flat-p2p", "hierarchical"):
+        check(registry.reason(name, odd, None) is not None, f"{name} must refuse an indivisible input")
+        try:
+            registry[name].start(odd, None)
+            check(False, f"{name} started an exchange it cannot do")
+        except ValueError:
+            pass
+    check(registry.eligible(odd, None) == ("flat",), f"eligible {registry.eligible(odd, None)}")
 
 
 def case_p2p() -> None:
@@ -234,13 +242,6 @@ def case_p2p() -> None:
         check(same_bits(x, x_before), f"flat-p2p {dtype} {shape}: input modified")
     xt = rand_bits((8, WORLD * 2), torch.bfloat16, 9).t()  # non-contiguous, dim 0 divisible
     check(same_bits(p2p_all_to_all(xt), flat_all_to_all(xt)), "flat-p2p non-contiguous input")
-    # Fallback to the stock exchange: uneven splits.
-    ins = [(RANK + d) % 3 + 1 for d in range(WORLD)]
-    outs = [(s + RANK) % 3 + 1 for s in range(WORLD)]
-    x = torch.arange(sum(ins), dtype=torch.float32) + 100 * RANK
-    handle = start_p2p_all_to_all(x, None, outs, ins)
-    check(isinstance(handle, FlatHandle), "uneven splits must use the flat exchange")
-    check(torch.equal(handle.wait(), flat_all_to_all(x, None, outs, ins)), "uneven via flat-p2p entry point")
     start_flat_all_to_all(torch.zeros(WORLD)).wait()  # keep every rank's collective sequence equal
 
 
@@ -308,22 +309,20 @@ class _CountingTimer:
         return self._orig(*args, **kwargs)
 
 
-class _Slowed:
-    """A HierarchicalAllToAll whose blocking exchange is slow on one rank."""
+def _slowed(hier: HierarchicalAllToAll, **slow_rank: int) -> Registry:
+    """A registry whose blocking exchanges are slow on one rank each (``flat_p2p=2``: flat-p2p on rank 2)."""
+    registry = Registry(hier)
+    for key, rank in slow_rank.items():
+        name = key.replace("_", "-")
+        run = registry[name].run
 
-    def __init__(self, inner: HierarchicalAllToAll, slow_rank: int) -> None:
-        self.inner, self.slow_rank, self.topology = inner, slow_rank, inner.topology
+        def slow(x, group=None, run=run, rank=rank):
+            if RANK == rank:
+                time.sleep(0.02)
+            return run(x, group)
 
-    def levels(self, group=None):
-        return self.inner.levels(group)
-
-    def start(self, *args, **kwargs):
-        return self.inner.start(*args, **kwargs)
-
-    def __call__(self, x, group=None):
-        if RANK == self.slow_rank:
-            time.sleep(0.02)
-        return self.inner(x, group)
+        registry._entries[name] = dataclasses.replace(registry[name], run=slow)
+    return registry
 
 
 class _LogCounter(logging.Handler):
@@ -351,7 +350,7 @@ def case_autotune(tmpdir: str) -> None:
     logger.setLevel(logging.INFO)
     try:
         xs = [torch.randn(WORLD * 4096), torch.randn(WORLD * 4000), torch.randn(WORLD * 65536)]
-        tuner = AutoAllToAll(hier)
+        tuner = AutoAllToAll(Registry(hier))
         choices = [tuner.choose(x) for x in xs]
         check(timer.calls == 2, f"first two sizes share a bucket: expected 2 measurements, got {timer.calls}")
         check(_agreed([(k, d.algorithm) for k, d in sorted(tuner.decisions.items())]), "ranks disagree")
@@ -362,56 +361,42 @@ def case_autotune(tmpdir: str) -> None:
             check(same_bits(tuner(x), ref) and same_bits(tuner.start(x).wait(), ref), "tuned exchange != flat")
 
         # Every candidate of a gloo group with a plan is measured; the cache keeps all timings.
-        check(tuner.candidates(xs[0]) == ("flat", "flat-p2p", "hierarchical"), f"candidates {tuner.candidates(xs[0])}")
+        eligible = tuner.registry.eligible(xs[0], None)
+        check(eligible == ("flat", "flat-p2p", "hierarchical"), f"candidates {eligible}")
         for d in tuner.decisions.values():
-            check(d.algorithm in autotune.ALGORITHMS, f"decision {d}")
+            check(d.algorithm in ALGORITHMS, f"decision {d}")
             check(all(t is not None and t > 0 for t in (d.flat_s, d.flat_p2p_s, d.hierarchical_s)), f"timings {d}")
 
         # MAX over ranks: one slow rank decides for everyone.
-        slow_hier = AutoAllToAll(_Slowed(hier, slow_rank=0))
-        check(slow_hier.choose(xs[0]) != "hierarchical", "hierarchical slow on rank 0: no rank may pick it")
-        orig_flat, orig_p2p = autotune.flat_all_to_all, autotune.p2p_all_to_all
-
-        def slowed(fn, rank):
-            def slow(x, group=None):
-                if RANK == rank:
-                    time.sleep(0.02)
-                return fn(x, group)
-
-            return slow
-
-        autotune.flat_all_to_all, autotune.p2p_all_to_all = slowed(orig_flat, 1), slowed(orig_p2p, 2)
-        try:
-            check(AutoAllToAll(hier).choose(xs[0]) == "hierarchical", "flat/p2p slow on ranks 1/2: all must pick hierarchical")
-        finally:
-            autotune.flat_all_to_all, autotune.p2p_all_to_all = orig_flat, orig_p2p
-        autotune.flat_all_to_all = slowed(orig_flat, 1)
-        try:
-            pick = AutoAllToAll(_Slowed(hier, slow_rank=3)).choose(xs[0])
-            check(pick == "flat-p2p", f"flat slow on rank 1, hierarchical on rank 3: all must pick flat-p2p, got {pick}")
-        finally:
-            autotune.flat_all_to_all = orig_flat
+        check(AutoAllToAll(_slowed(hier, hierarchical=0)).choose(xs[0]) != "hierarchical", "hierarchical slow on rank 0: no rank may pick it")
+        pick = AutoAllToAll(_slowed(hier, flat=1, flat_p2p=2)).choose(xs[0])
+        check(pick == "hierarchical", f"flat/p2p slow on ranks 1/2: all must pick hierarchical, got {pick}")
+        pick = AutoAllToAll(_slowed(hier, flat=1, hierarchical=3)).choose(xs[0])
+        check(pick == "flat-p2p", f"flat slow on rank 1, hierarchical on rank 3: all must pick flat-p2p, got {pick}")
 
         # Overrides and single-candidate groups never measure.
         calls = timer.calls
-        check(AutoAllToAll(hier, mode="flat").choose(xs[0]) == "flat", "flat override")
-        check(AutoAllToAll(hier, mode="hierarchical").choose(xs[0]) == "hierarchical", "hierarchical override")
-        check(AutoAllToAll(hier, mode="flat-p2p").choose(xs[0]) == "flat-p2p", "flat-p2p override")
-        forced = AutoAllToAll(hier, mode="flat-p2p")
+        registry = Registry(hier)
+        check(AutoAllToAll(registry, a2a="flat").choose(xs[0]) == "flat", "flat override")
+        check(AutoAllToAll(registry, a2a="hierarchical").choose(xs[0]) == "hierarchical", "hierarchical override")
+        check(AutoAllToAll(registry, a2a="flat-p2p").choose(xs[0]) == "flat-p2p", "flat-p2p override")
+        forced = AutoAllToAll(registry, a2a="flat-p2p")
         ref = flat_all_to_all(xs[0])
         check(isinstance(forced.start(xs[0]), ReceivesFirstHandle), "flat-p2p override must start a p2p handle")
         check(same_bits(forced(xs[0]), ref) and same_bits(forced.start(xs[0]).wait(), ref), "flat-p2p override != flat")
-        check(isinstance(AutoAllToAll(hier, mode="flat").start(xs[0]), FlatHandle), "flat override: stock handle")
+        check(isinstance(AutoAllToAll(registry, a2a="flat").start(xs[0]), FlatHandle), "flat override: stock handle")
         pairs = [[0, 1], [2, 3]]
         pair = make_groups(pairs)
-        one_level = AutoAllToAll(HierarchicalAllToAll(Topology.parse("2x2"), pairs), mode="hierarchical")
+        one_level = AutoAllToAll(Registry(HierarchicalAllToAll(Topology.parse("2x2"), pairs)), a2a="hierarchical")
         check(one_level.choose(xs[0], pair) == "flat", "a one-level group must use flat")
-        check(AutoAllToAll(None, mode="hierarchical").choose(xs[0]) == "flat", "no hierarchical plan: flat")
-        check(AutoAllToAll(None, mode="flat-p2p").choose(xs[0]) == "flat-p2p", "no plan, gloo: flat-p2p")
+        check(sum(one_level.fallbacks.values()) == 1, f"the forced fall-back is counted: {one_level.fallbacks}")
+        no_tapa = AutoAllToAll(Registry(None), a2a="hierarchical")
+        check(no_tapa.choose(xs[0]) == "flat" and len(no_tapa.fallbacks) == 1, "no hierarchical plan: flat, counted")
+        check(AutoAllToAll(Registry(None), a2a="flat-p2p").choose(xs[0]) == "flat-p2p", "no plan, gloo: flat-p2p")
         check(timer.calls == calls, "overrides must not measure")
         # auto without a plan on gloo: flat vs flat-p2p only.
-        no_plan = AutoAllToAll(None)
-        check(no_plan.candidates(xs[0]) == ("flat", "flat-p2p"), "no plan: two candidates")
+        no_plan = AutoAllToAll(Registry(None))
+        check(no_plan.registry.eligible(xs[0], None) == ("flat", "flat-p2p"), "no plan: two candidates")
         check(no_plan.choose(xs[0]) in ("flat", "flat-p2p") and timer.calls == calls + 1, "no plan: one measurement")
         d = next(iter(no_plan.decisions.values()))
         check(d.hierarchical_s is None and d.flat_p2p_s > 0, f"no plan: decision {d}")
@@ -420,17 +405,17 @@ def case_autotune(tmpdir: str) -> None:
         old = {"version": 1, "topology": "2x2", "decisions": [
             {"group": list(range(WORLD)), "bucket_bytes": 1 << 30, "algorithm": "hierarchical",
              "flat_s": 0.2, "hierarchical_s": 0.1, "some_future_field": 1}]}
-        legacy = AutoAllToAll(hier)
+        legacy = AutoAllToAll(registry)
         legacy.load_dict(old)
         check(legacy.decisions[(tuple(range(WORLD)), 1 << 30)].flat_p2p_s is None, "legacy decision")
         try:
-            AutoAllToAll(hier).load_dict({"decisions": [dict(old["decisions"][0], algorithm="fast")]})
+            AutoAllToAll(registry).load_dict({"decisions": [dict(old["decisions"][0], algorithm="fast")]})
             check(False, "invalid algorithm accepted")
         except ValueError:
             pass
         try:
-            AutoAllToAll(hier, mode="fast")
-            check(False, "invalid mode accepted")
+            AutoAllToAll(registry, a2a="fast")
+            check(False, "invalid setting accepted")
         except ValueError:
             pass
 
@@ -439,7 +424,7 @@ def case_autotune(tmpdir: str) -> None:
         if RANK == 0:
             tuner.export_json(path)
         dist.barrier()
-        loaded = AutoAllToAll(hier)
+        loaded = AutoAllToAll(registry)
         loaded.import_json(path)
         check(loaded.decisions == tuner.decisions, "JSON round trip changed decisions")
         check(loaded.to_dict() == json.loads(json.dumps(tuner.to_dict())), "to_dict round trip")

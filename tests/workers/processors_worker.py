@@ -18,6 +18,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from cocodiff_xfuser.tools import same_bits
+
 RANK = 0
 V_EXCHANGES: collections.Counter = collections.Counter()
 
@@ -75,12 +77,6 @@ def use_backend(v_first: bool) -> None:
         backend.activate(get_sp_group().ulysses_group, backend.Options(v_first=True))
     else:
         backend.deactivate()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-    )
 
 
 def compare(name: str, build, inputs, expected_v: set[str]) -> None:

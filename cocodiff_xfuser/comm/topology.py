@@ -1,0 +1,257 @@
+"""Hardware topology of the ranks: nested levels, outermost first.
+
+A topology of sizes ``(2, 6, 2)`` is 2 nodes x 6 GPUs x 2 tiles (Aurora); ``(N, 8)`` is N DGX
+nodes. Ranks are numbered contiguously with the innermost level fastest, so
+``rank = (node * L + gpu) * T + tile``; this is how torchrun numbers ranks across nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+#: Topology presets, shipped inside the package.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+_DEFAULT_NAMES = {2: ("node", "gpu"), 3: ("node", "gpu", "tile")}
+
+# Intel Data Center GPU Max 1550 (Aurora's PVC) has two stacks ("tiles") per card; the Max 1100
+# has one. torch.xpu reports no stack count, so the card name is the only portable hint.
+_XPU_TILES_BY_NAME = {"Max 1550": 2}
+
+
+@dataclass(frozen=True)
+class Level:
+    """One hardware level: ``size`` children per parent.
+
+    ``bandwidth_gbps`` is the nominal unidirectional bandwidth (GB/s) one rank has for traffic
+    that crosses this level; informational, for cost models and reports.
+    """
+
+    name: str
+    size: int
+    bandwidth_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+            raise ValueError(f"level {self.name!r}: size must be a positive integer, got {self.size!r}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    levels: tuple[Level, ...]
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("a topology needs at least one level")
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(level.size for level in self.levels)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(level.name for level in self.levels)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def __str__(self) -> str:
+        return "x".join(str(s) for s in self.sizes)
+
+    def describe(self) -> str:
+        return " x ".join(f"{level.size} {level.name}" for level in self.levels)
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[int], names: Sequence[str] | None = None) -> Topology:
+        if names is None:
+            names = _DEFAULT_NAMES.get(len(sizes)) or tuple(f"level{i}" for i in range(len(sizes)))
+        if len(names) != len(sizes):
+            raise ValueError(f"{len(sizes)} level sizes but {len(names)} names")
+        return cls(tuple(Level(n, s) for n, s in zip(names, sizes)))
+
+    @classmethod
+    def parse(cls, spec: str) -> Topology:
+        """Parse ``"NxL"`` or ``"NxLxT"`` (nodes x GPUs per node [x tiles per GPU])."""
+        fields = spec.strip().lower().split("x") if isinstance(spec, str) else []
+        if len(fields) not in _DEFAULT_NAMES:
+            raise ValueError(f"invalid topology {spec!r}: expected NxL or NxLxT, e.g. '2x4' or '2x6x2'")
+        sizes = []
+        for field in fields:
+            field = field.strip()
+            if not re.fullmatch(r"[0-9]+", field) or int(field) < 1:
+                raise ValueError(f"invalid topology {spec!r}: {field!r} is not a positive integer")
+            sizes.append(int(field))
+        return cls.from_sizes(sizes)
+
+    @classmethod
+    def from_preset(cls, path_or_name: str | os.PathLike, world_size: int) -> Topology:
+        """Load a YAML preset (a path, or a name in ``configs/``, e.g. ``"aurora"``).
+
+        The preset lists levels outermost first; the outermost (node) level has no size, it is
+        ``world_size`` divided by the ranks per node.
+        """
+        import yaml
+
+        path = Path(path_or_name)
+        if not path.is_file():
+            path = CONFIG_DIR / f"{path_or_name}.yaml"
+        if not path.is_file():
+            presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            raise ValueError(f"unknown topology preset {str(path_or_name)!r}; known presets: {presets}")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        raw_levels = data.get("levels") if isinstance(data, dict) else None
+        if not raw_levels or not isinstance(raw_levels, list):
+            raise ValueError(f"{path}: expected a non-empty 'levels' list")
+        outer, *inner = (_level_from_yaml(path, raw, i == 0) for i, raw in enumerate(raw_levels))
+        per_node = math.prod(level.size for level in inner)
+        if world_size < 1 or world_size % per_node:
+            raise ValueError(
+                f"preset {path.stem!r} has {per_node} ranks per {outer.name}; world size {world_size} is not a multiple"
+            )
+        return cls((Level(outer.name, world_size // per_node, outer.bandwidth_gbps), *inner))
+
+    @classmethod
+    def detect(
+        cls,
+        world_size: int,
+        hostnames: Sequence[str],
+        local_world_size: int | None = None,
+        xpu_tiles_per_gpu: int | None = None,
+    ) -> Topology:
+        """Build the topology from the hostname of every rank (index = rank).
+
+        Ranks of one host must be contiguous and every host must hold the same number. A
+        ``local_world_size`` (torchrun's ranks per agent) smaller than the ranks per host splits a
+        host into several nodes: that is how emulated nodes on one machine are described. With
+        ``xpu_tiles_per_gpu > 1`` each node is split into GPUs x tiles.
+        """
+        if len(hostnames) != world_size:
+            raise ValueError(f"got {len(hostnames)} hostnames for world size {world_size}")
+        runs: list[tuple[str, int]] = []
+        for host in hostnames:
+            if runs and runs[-1][0] == host:
+                runs[-1] = (host, runs[-1][1] + 1)
+            else:
+                runs.append((host, 1))
+        if len({host for host, _ in runs}) != len(runs):
+            raise ValueError(f"ranks of a host are not contiguous: {list(hostnames)}")
+        if len({count for _, count in runs}) != 1:
+            raise ValueError(f"hosts hold different numbers of ranks: {dict(runs)}")
+        per_node = runs[0][1]
+        if local_world_size is not None and local_world_size != per_node:
+            if local_world_size < 1 or per_node % local_world_size:
+                raise ValueError(
+                    f"LOCAL_WORLD_SIZE={local_world_size} does not divide the {per_node} ranks per host"
+                )
+            per_node = local_world_size
+        nodes = world_size // per_node
+        tiles = xpu_tiles_per_gpu or 1
+        if tiles == 1:
+            return cls.from_sizes((nodes, per_node))
+        if per_node % tiles:
+            raise ValueError(f"{per_node} ranks per node is not a multiple of {tiles} tiles per GPU")
+        return cls.from_sizes((nodes, per_node // tiles, tiles))
+
+    def validate(self, world_size: int) -> Topology:
+        if self.world_size != world_size:
+            raise ValueError(
+                f"topology {self} ({self.describe()}) has {self.world_size} ranks but the world size is {world_size}"
+            )
+        return self
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of a global rank, outermost level first."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside topology {self}")
+        out = []
+        for size in reversed(self.sizes):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def restrict(self, group_ranks: Sequence[int]) -> list[int]:
+        return restrict(self, group_ranks)
+
+
+def restrict(topology: Topology, group_ranks: Sequence[int]) -> list[int]:
+    """Level sizes, outermost first, of the sub-grid formed by a group's global ranks.
+
+    The group must be a Cartesian product of coordinate sets, one per topology level (a regular
+    sub-grid), so that its sorted ranks enumerate that product in row-major order. Levels the
+    group does not span (size 1) are dropped: on 2x4, ``[0, 1, 2, 3]`` gives ``[4]``; on 4x2 it
+    gives ``[2, 2]``; on 2x2, ``[0, 2]`` gives ``[2]``.
+    """
+    ranks = sorted(group_ranks)
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"group ranks must be non-empty and distinct, got {list(group_ranks)}")
+    coords = [topology.coords(r) for r in ranks]
+    per_level = [sorted({c[i] for c in coords}) for i in range(len(topology.levels))]
+    if math.prod(len(s) for s in per_level) != len(ranks):
+        raise ValueError(
+            f"group {ranks} is not a regular sub-grid of topology {topology} ({topology.describe()})"
+        )
+    return [len(s) for s in per_level if len(s) > 1]
+
+
+def resolve(spec: str | os.PathLike | None, world_size: int) -> Topology:
+    """Topology from a CLI-style spec: ``"2x4"``, a preset name or path, or None to detect (collective)."""
+    if spec is None:
+        topology = detect_from_environment()
+    elif isinstance(spec, str) and re.fullmatch(r"[0-9x ]+", spec.lower()):
+        topology = Topology.parse(spec)
+    else:
+        topology = Topology.from_preset(spec, world_size)
+    return topology.validate(world_size)
+
+
+def xpu_tiles_per_gpu(env: Mapping[str, str] | None = None, xpu: Any = None) -> int | None:
+    """Tiles (stacks) per XPU card that appear as separate ranks, or None when not on XPU.
+
+    Order: ``COCODIFF_TILES_PER_GPU`` (explicit override); ``ZE_FLAT_DEVICE_HIERARCHY=COMPOSITE``
+    means one device per card, so tiles are not ranks (1); otherwise (FLAT, the default on
+    PVC) the card name from ``torch.xpu.get_device_properties`` picks the stack count.
+    """
+    env = os.environ if env is None else env
+    if env.get("COCODIFF_TILES_PER_GPU"):
+        return int(env["COCODIFF_TILES_PER_GPU"])
+    if xpu is None:
+        import torch
+
+        xpu = getattr(torch, "xpu", None)
+    if xpu is None or not xpu.is_available():
+        return None
+    if env.get("ZE_FLAT_DEVICE_HIERARCHY", "").upper() == "COMPOSITE":
+        return 1
+    name = xpu.get_device_properties(0).name
+    return next((tiles for key, tiles in _XPU_TILES_BY_NAME.items() if key in name), 1)
+
+
+def detect_from_environment(group: Any = None) -> Topology:
+    """Collective: detect the topology of ``group`` (default: world) from hostnames and env."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group)
+    hostnames: list[Any] = [None] * world_size
+    dist.all_gather_object(hostnames, socket.gethostname(), group=group)
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return Topology.detect(world_size, hostnames, int(local) if local else None, xpu_tiles_per_gpu())
+
+
+def _level_from_yaml(path: Path, raw: Any, outermost: bool) -> Level:
+    """A preset level; the outermost one gets a placeholder size that the caller replaces."""
+    if not isinstance(raw, dict) or not raw.get("name"):
+        raise ValueError(f"{path}: every level needs a 'name', got {raw!r}")
+    if outermost and "size" in raw:
+        raise ValueError(f"{path}: the outermost level {raw['name']!r} must not set a size (it is derived from the world size)")
+    if not outermost and "size" not in raw:
+        raise ValueError(f"{path}: level {raw['name']!r} needs a 'size'")
+    bandwidth = raw.get("bandwidth_gbps")
+    return Level(str(raw["name"]), 1 if outermost else raw["size"], None if bandwidth is None else float(bandwidth))

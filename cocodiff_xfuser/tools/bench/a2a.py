@@ -1,0 +1,482 @@
+"""Micro-benchmark of the all-to-all algorithms: stock flat, flat-p2p, hierarchical (TAPA).
+
+Two layers:
+
+* the rank worker, run under torchrun (or :meth:`Fabric.run`), e.g.::
+
+      torchrun --nproc-per-node 4 -m cocodiff_xfuser.tools.bench.a2a --topology 2x2 --sizes-mib 1,4 --json
+
+  times every algorithm available on the group, interleaved (A B C D, B C D A, ...), and rank 0
+  prints the report (median and min over repetitions of the latest end over ranks);
+* :func:`bench_a2a` (``cocodiff bench a2a``): brings an emulated fabric up (or uses loopback
+  torchrun), runs the worker on every rank, adds the fabric's physical bounds, prints a table and
+  writes ``a2a.json`` and ``a2a.png``.
+
+Algorithms (JSON keys use ``_`` for ``-``):
+
+``flat``
+    the stock exchange, what xfuser does: ``all_to_all_single`` through functional collectives.
+``flat_p2p``
+    the same exchange with every receive posted before any send (gloo only).
+``hierarchical``
+    TAPA, one exchange per topology level; on gloo its phases are receives-first p2p.
+``hierarchical_collective``
+    (gloo only, for reference) TAPA with gloo's ``all_to_all_single`` per phase: shows how much
+    of the hierarchical gain is routing and how much is the receives-first transport fix.
+
+Timing. Every repetition starts at a common instant: rank 0 names a start time on the shared
+monotonic clock (all ranks of an emulated fabric or of a loopback job run on one host), every rank
+waits for it, runs the exchange, and the repetition's time is the latest end over ranks minus the
+start. A ``barrier -> op -> max over ranks`` measurement includes the barrier's exit skew, which
+reached ~20 ms on the emulated fabrics while the previous exchange's tail drained through the
+shaped queues; the common start removes it. A rank that learns the start instant too late starts
+late and its lateness is included (counted in ``late_starts``). When the ranks do not share a
+host (a real cluster) the worker falls back to ``barrier`` timing (``timing`` in the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cocodiff_xfuser import platform
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, size_bucket
+from cocodiff_xfuser.comm.registry import Registry
+from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
+from cocodiff_xfuser.comm.topology import Topology, resolve
+from cocodiff_xfuser.tools import same_bits
+
+DEFAULT_SIZES_MIB = (4, 8, 16)
+DEFAULT_REPS = 9
+TIMEOUT_S = 1800.0
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TIMINGS = ("auto", "common-start", "barrier")
+#: Seconds between naming the common start instant and the start (the broadcast must arrive).
+START_LEAD_S = 0.05
+
+
+# ================================================================================ rank worker
+def _same_host(group: Any) -> bool:
+    """Whether every rank of ``group`` runs on this host (shared CLOCK_MONOTONIC)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    me = (socket.gethostname(), boot)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    return bool(boot) and all(e == me for e in everyone)
+
+
+class _Timer:
+    """Times one op per call; ``finish`` reduces every recorded time with MAX over the group."""
+
+    def __init__(self, method: str, group: Any, device: torch.device) -> None:
+        self.method, self.group, self.device = method, group, device
+        self.local: list[float] = []
+        self.late_starts = 0
+        self.max_late_s = 0.0
+
+    def __call__(self, fn: Callable[[], Any], record: bool) -> None:
+        dist.barrier(group=self.group)  # drain: every rank has completed the previous op
+        platform.detect().synchronize(self.device)
+        if self.method == "barrier":
+            start = time.perf_counter()
+            fn()
+            platform.detect().synchronize(self.device)
+            dt = time.perf_counter() - start
+        else:
+            t = torch.tensor([time.monotonic() + START_LEAD_S], dtype=torch.float64, device=self.device)
+            dist.broadcast(t, group=self.group, group_src=0)
+            start = t.item()
+            wait = start - time.monotonic()
+            if wait < 0:
+                self.late_starts += record
+                self.max_late_s = max(self.max_late_s, -wait) if record else self.max_late_s
+            elif wait > 0.003:
+                time.sleep(wait - 0.002)
+            while time.monotonic() < start:
+                pass
+            fn()
+            platform.detect().synchronize(self.device)
+            dt = time.monotonic() - start
+        if record:
+            self.local.append(dt)
+
+    def finish(self) -> tuple[list[float], int, float]:
+        times = torch.tensor(self.local, dtype=torch.float64, device=self.device)
+        extra = torch.tensor([float(self.late_starts), self.max_late_s], dtype=torch.float64, device=self.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=self.group)
+        self.local = []
+        return times.cpu().tolist(), int(extra[0].item()), float(extra[1].item())
+
+
+def run_benchmark(
+    topology: Topology,
+    sizes_bytes: Sequence[int] = tuple(s << 20 for s in DEFAULT_SIZES_MIB),
+    groups: Sequence[Sequence[int]] | None = None,
+    reps: int = DEFAULT_REPS,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
+    timing: str = "auto",
+    warmup: int = 2,
+    autotune_reps: int | None = None,
+) -> dict[str, Any] | None:
+    """Benchmark on every rank (collective over the world); rank 0 returns the report.
+
+    ``groups`` lists the global ranks of every Ulysses group (default: one group of all ranks);
+    each rank measures its own group, the report covers rank 0's group. ``chosen`` is what an
+    ``auto`` :class:`AutoAllToAll` picks for the size (its own short measurement, as in a real
+    run); ``chosen_s`` is that algorithm's median in this benchmark.
+    """
+    if timing not in TIMINGS:
+        raise ValueError(f"timing {timing!r}: expected one of {TIMINGS}")
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    groups = [list(g) for g in groups] if groups is not None else [list(range(world))]
+    device = device or torch.device("cpu")
+    # Sub-groups are created in the same order on every rank (new_group is collective).
+    pgs = [dist.group.WORLD if len(g) == world else dist.new_group(sorted(g)) for g in groups]
+    mine = next(i for i, g in enumerate(groups) if rank in g)
+    group, pg = sorted(groups[mine]), pgs[mine]
+    if timing == "auto":
+        timing = "common-start" if _same_host(dist.group.WORLD) else "barrier"
+    hier = HierarchicalAllToAll(topology, groups)
+    registry = Registry(hier)
+    tuner = AutoAllToAll(registry) if autotune_reps is None else AutoAllToAll(registry, reps=autotune_reps)
+    timer = _Timer(timing, pg, device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    results, late, max_late = [], 0, 0.0
+    for size in sizes_bytes:
+        numel = max(size // itemsize // len(group), 1) * len(group)
+        x = torch.randn(numel, device=device).to(dtype)
+        eligible = registry.eligible(x, pg)
+        ops: dict[str, Callable[[], Any]] = {
+            name.replace("-", "_"): (lambda run=registry[name].run: run(x, pg)) for name in eligible
+        }
+        if "hierarchical" in eligible and "flat-p2p" in eligible:
+            # TAPA with the backend's own collective per phase: tells receives-first's share apart.
+            ops["hierarchical_collective"] = lambda: hier(x, pg, receives_first=False)
+        # Correctness first: every algorithm gives bitwise the stock output.
+        ref = registry["flat"].run(x, pg)
+        for name, op in ops.items():
+            if not same_bits(op(), ref):
+                raise AssertionError(f"rank {rank}: {name} differs from the stock all-to-all at {size} bytes")
+        names = list(ops)
+        order_log: list[str] = []
+        for rep in range(warmup + reps):
+            k = rep % len(names)
+            for name in names[k:] + names[:k]:  # rotate: A B C D, B C D A, ...
+                timer(ops[name], record=rep >= warmup)
+                if rep >= warmup:
+                    order_log.append(name)
+        flat_times, n_late, late_s = timer.finish()
+        late, max_late = late + n_late, max(max_late, late_s)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for name, t in zip(order_log, flat_times):
+            times[name].append(t)
+        chosen_alg = tuner.choose(x, pg)
+        chosen = chosen_alg.replace("-", "_")
+        median = {name: statistics.median(t) for name, t in times.items()}
+        decision = tuner.decisions.get((tuple(group), size_bucket(numel * itemsize)))
+        entry: dict[str, Any] = {"size_bytes": numel * itemsize}
+        for name in names:
+            entry[f"{name}_s"] = median[name]
+            entry[f"{name}_min_s"] = min(times[name])
+        entry.update(
+            chosen=chosen,
+            chosen_s=median[chosen],
+            chosen_min_s=min(times[chosen]),
+            speedup_vs_flat=median["flat"] / median[chosen],
+            fastest=min(median, key=median.get),
+            autotune_s=None
+            if decision is None
+            else {"flat": decision.flat_s, "flat_p2p": decision.flat_p2p_s, "hierarchical": decision.hierarchical_s},
+            times_s=times,
+        )
+        results.append(entry)
+    if rank != 0:
+        return None
+    return {
+        "topology": str(topology),
+        "world_size": world,
+        "group": group,
+        "levels": list(hier.levels(pg)),
+        "backend": dist.get_backend(pg),
+        "dtype": str(dtype).removeprefix("torch."),
+        "reps": reps,
+        "warmup": warmup,
+        "timing": timing,
+        "late_starts": late,
+        "max_late_start_s": max_late,
+        "candidates": [a.replace("-", "_") for a in registry.eligible(torch.empty(len(group), device=device), pg)],
+        "results": results,
+    }
+
+
+_COLUMNS = (
+    ("flat", "flat (stock)"),
+    ("flat_p2p", "flat-p2p"),
+    ("hierarchical", "hierarchical"),
+    ("hierarchical_collective", "hier (gloo op)"),
+)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Table: median / min in ms per algorithm, the choice, speedup, and the bound when known."""
+    present = [(k, title) for k, title in _COLUMNS if any(f"{k}_s" in r for r in report["results"])]
+    head = (
+        f"topology {report['topology']}, world {report['world_size']}, group levels {report['levels']},"
+        f" {report['dtype']}, {report['reps']} reps, timing {report.get('timing', 'barrier')}"
+        f" (median / min, ms; latest end over ranks)"
+    )
+    lines = [head]
+    if report.get("fabric"):
+        lines.insert(0, report.get("describe", f"fabric {report['fabric']}"))
+    cols = "".join(f" {title:>17}" for _, title in present)
+    bound = any(r.get("bound_s") for r in report["results"])
+    lines.append(
+        f"{'MiB/rank':>8}{cols}  {'chosen':<12} {'speedup':>7}"
+        + (f" {'bound':>7} {'flat-rt':>7} {'chosen/bound':>12}" if bound else "")
+    )
+    for r in report["results"]:
+        row = f"{r['size_bytes'] / 2**20:8.2f}"
+        for k, _ in present:
+            row += f" {r[f'{k}_s'] * 1e3:8.1f} / {r[f'{k}_min_s'] * 1e3:6.1f}" if f"{k}_s" in r else f" {'-':>17}"
+        row += f"  {r['chosen']:<12} {r['speedup_vs_flat']:6.2f}x"
+        if bound and r.get("bound_s"):
+            row += f" {r['bound_s'] * 1e3:7.1f} {r['bound_flat_routes_s'] * 1e3:7.1f} {r['fraction_of_bound']:11.2f}x"
+        lines.append(row)
+    if report.get("regime"):
+        lines.append(f"regime: {report['regime']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Rank worker entry point (torchrun / Fabric.run); rank 0 prints the report."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topology", help="NxL[xT], preset name or YAML path; default: detect")
+    parser.add_argument("--sizes-mib", default=",".join(map(str, DEFAULT_SIZES_MIB)), help="comma-separated message sizes per rank, MiB")
+    parser.add_argument("--reps", type=int, default=DEFAULT_REPS)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--timing", choices=TIMINGS, default="auto")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    sizes = [int(float(s) * 2**20) for s in args.sizes_mib.split(",") if s.strip()]
+
+    torch.set_num_threads(1)
+    plat = platform.detect()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    plat.set_device(local_rank)
+    device = plat.device(local_rank)
+    dist.init_process_group(plat.dist_backend)
+    try:
+        topology = resolve(args.topology, dist.get_world_size())
+        report = run_benchmark(
+            topology, sizes, reps=args.reps, dtype=DTYPES[args.dtype], device=device, timing=args.timing,
+            warmup=args.warmup,
+        )
+        if report is not None:
+            print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+        # No rank may tear its connections down while a peer still talks on them: a gloo pair
+        # reset mid-message aborts the peer (seen once as "terminate called" at exit).
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# ================================================================================ driver
+def topology_for(fabric: str | None, nodes: int, local: int) -> str:
+    """The cocodiff topology spec matching a fabric's rank layout (node-major)."""
+    if fabric == "aurora-like":
+        return f"{nodes}x{local // 2}x2"  # node x GPU x tile (2 tiles per GPU)
+    return f"{nodes}x{local}"
+
+
+def regime(fab: Any, size_bytes: int) -> str:
+    """One sentence on what limits an all-to-all on ``fab`` (a :class:`Fabric`) and who can win."""
+    if fab is None:
+        return (
+            "loopback: every rank on this host over TCP loopback, CPU- and memory-bound, no emulated links;"
+            " no physical bound applies and ratios say little about a real fabric"
+        )
+    best, flat = fab.bound_s("all_to_all", size_bytes), fab.bound_s("flat", size_bytes)
+    flat_bd = fab.bound_breakdown("flat", size_bytes)
+    flat_cls = max(flat_bd, key=lambda c: flat_bd[c]["seconds"])
+    best_bd = fab.bound_breakdown("all_to_all", size_bytes)
+    best_cls = max(best_bd, key=lambda c: best_bd[c]["seconds"])
+    size = f"{size_bytes / 2**20:g} MiB/rank"
+    if flat > best * 1.05:
+        return (
+            f"routing-bound: flat's direct routes are limited by the '{flat_cls}' links ({flat * 1e3:.1f} ms at {size}),"
+            f" {flat / best:.2f}x the best routing's bound ({best * 1e3:.1f} ms, '{best_cls}' links); a topology-aware"
+            " exchange can avoid the bottleneck"
+        )
+    return (
+        f"bandwidth-bound: every inter-node byte crosses the '{best_cls}' links whatever the algorithm"
+        f" (flat routes = bound = {best * 1e3:.1f} ms at {size}); a hierarchical exchange cannot take bytes off"
+        " those links and adds local work: at best it ties the flat exchange"
+    )
+
+
+def _parse_sizes(sizes_mib: Any) -> list[float]:
+    if isinstance(sizes_mib, str):
+        return [float(s) for s in sizes_mib.split(",") if s.strip()]
+    return [float(s) for s in sizes_mib]
+
+
+def _extract_json(stdout: str) -> dict[str, Any]:
+    start = next((i for i, line in enumerate(stdout.splitlines()) if line.startswith("{")), None)
+    if start is None:
+        raise RuntimeError(f"no JSON report in the worker's output:\n{stdout[-4000:]}")
+    return json.loads("\n".join(stdout.splitlines()[start:]))
+
+
+def bench_a2a(
+    fabric: str | None,
+    nodes: int = 2,
+    local: int = 2,
+    sizes_mib: Sequence[float] | str = DEFAULT_SIZES_MIB,
+    reps: int = DEFAULT_REPS,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    dtype: str = "bf16",
+    timing: str = "auto",
+    warmup: int = 2,
+    timeout: float = TIMEOUT_S,
+    fabric_id: str | None = None,
+    plot: bool = True,
+    echo: bool | str = True,
+    stem: str = "a2a",
+) -> dict[str, Any]:
+    """Run the all-to-all benchmark and return the report (also written to ``out_dir``).
+
+    ``fabric``: an emulated fabric preset (``rail``, ``shared-uplink``, ``aurora-like``; needs
+    root, see :func:`cocodiff_xfuser.tools.fabric.available`), brought up for the run and torn down
+    after it; ``None`` runs ``nodes * local`` ranks on loopback with torchrun. ``reps`` >= 9 is
+    advised for figures (the report keeps every repetition). ``echo`` prints the table (on
+    stderr with ``echo="stderr"``).
+    Writes ``a2a.json`` and (``plot``) ``a2a.png`` into ``out_dir`` when given (``stem``
+    renames them, e.g. ``a2a-rail``).
+    """
+    from cocodiff_xfuser.tools.fabric import Fabric
+
+    sizes = _parse_sizes(sizes_mib)
+    if not sizes or reps < 1:
+        raise ValueError("need at least one size and one repetition")
+    topology = topology_for(fabric, nodes, local)
+    argv = [
+        "-m", "cocodiff_xfuser.tools.bench.a2a", "--topology", topology, "--sizes-mib", ",".join(f"{s:g}" for s in sizes),
+        "--reps", str(reps), "--warmup", str(warmup), "--dtype", dtype, "--timing", timing, "--json",
+    ]
+    env = {
+        "OMP_NUM_THREADS": "1",
+    }
+    load_before = os.getloadavg()[0]
+    t0 = time.monotonic()
+    fab = None
+    drops = None
+    if fabric:
+        fab = Fabric(fabric, nodes, local, fabric_id=fabric_id or f"a{os.getpid() % 100000}")
+        with fab:
+            r = fab.run([sys.executable, *argv], timeout=timeout, capture_output=True, text=True, extra_env=env)
+            stats = fab.qdisc_stats()
+        if r.returncode != 0:
+            raise RuntimeError(
+                f"benchmark on fabric {fabric} {nodes}x{local} failed (exit {r.returncode}):\n"
+                f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
+            )
+        stdout = r.stdout
+        drops = sum(s["dropped"] for s in stats)
+    else:
+        from cocodiff_xfuser.tools.launcher import torchrun
+
+        stdout = torchrun(nodes * local, argv, env=env, timeout=timeout).stdout
+    report = _extract_json(stdout)
+    top_size = int(max(sizes) * 2**20)
+    report = {
+        "fabric": fabric,
+        "nodes": nodes,
+        "local": local,
+        **report,
+        "regime": regime(fab, top_size),
+        "describe": fab.describe() if fab is not None else f"loopback: {nodes * local} ranks on one host (torchrun)",
+        "tc_drops": drops,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "wall_s": time.monotonic() - t0,
+    }
+    for r in report["results"]:
+        size = r["size_bytes"]
+        if fab is not None:
+            r["bound_s"] = fab.bound_s("all_to_all", size)
+            r["bound_flat_routes_s"] = fab.bound_s("flat", size)
+            r["fraction_of_bound"] = r["chosen_s"] / r["bound_s"] if r["bound_s"] > 0 else None
+        else:
+            r["bound_s"] = r["bound_flat_routes_s"] = r["fraction_of_bound"] = None
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        report["files"] = {"json": f"{stem}.json"}  # names in out_dir
+        if plot:
+            from cocodiff_xfuser.tools.bench.plots import plot_a2a
+
+            report["files"]["png"] = plot_a2a(report, out / f"{stem}.png").name
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    if echo:
+        print(format_report(report), file=sys.stderr if echo == "stderr" else sys.stdout, flush=True)
+    return report
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """``cocodiff bench a2a``. Reads ``args.fabric`` (preset name, or None / "none" / "loopback"),
+    ``args.nodes``, ``args.local``, ``args.sizes_mib`` (``"4,8,16"`` or a list), ``args.reps``,
+    ``args.out`` (directory, or None to write nothing), ``args.json`` (print the JSON report on
+    stdout, the table on stderr); optional ``args.timeout`` (seconds), ``args.dtype``."""
+    from cocodiff_xfuser.tools.fabric import available
+
+    fabric = getattr(args, "fabric", None)
+    if fabric in ("", "none", "loopback"):
+        fabric = None
+    if fabric is not None:
+        ok, why = available()
+        if not ok:
+            print(f"cocodiff bench a2a: cannot build the {fabric} fabric here: {why}", file=sys.stderr)
+            return 2
+    as_json = bool(getattr(args, "json", False))
+    try:
+        report = bench_a2a(
+            fabric,
+            int(getattr(args, "nodes", 2) or 2),
+            int(getattr(args, "local", 2) or 2),
+            getattr(args, "sizes_mib", None) or DEFAULT_SIZES_MIB,
+            int(getattr(args, "reps", None) or DEFAULT_REPS),
+            getattr(args, "out", None),
+            dtype=getattr(args, "dtype", None) or "bf16",
+            timeout=float(getattr(args, "timeout", None) or TIMEOUT_S),
+            echo="stderr" if as_json else True,
+        )
+    except (RuntimeError, ValueError) as e:
+        print(f"cocodiff bench a2a: {e}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(report, indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

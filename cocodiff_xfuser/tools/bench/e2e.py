@@ -1,0 +1,186 @@
+"""``cocodiff bench e2e``: a tiny-but-real DiT pipeline on an emulated cluster, stock vs cocodiff.
+
+Each configuration runs as its own job on the fabric (``Fabric.run``): a first pipeline call
+(warm-up, autotuning), then ``repeat`` timed calls. The ranks stop before and after the timed
+calls (``generate --sync-dir``) while this driver reads the fabric's tbf byte counters, so the
+bytes over slow links are measured for exactly the timed calls. Everything is reported per
+denoising step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cocodiff_xfuser.tools.bench.a2a import topology_for
+from cocodiff_xfuser.tools.fabric import Fabric
+from cocodiff_xfuser.tools.generate import output_dir
+from cocodiff_xfuser.tools.models import tiny as tiny_models
+from cocodiff_xfuser.tools.verify import Run, compare
+
+# name in the report -> generate's backend variant. V-Major (roadmap) will add "tapa+vfirst+vmajor".
+DEFAULT_SIZE = 256  # image height and width
+DEFAULT_STEPS = 4
+DEFAULT_REPEAT = 3  # timed pipeline calls per configuration
+TIMEOUT_S = 1800.0
+CONFIGS = {"stock": "ulysses", "tapa": "cocodiff", "tapa+vfirst": "cocodiff+vfirst"}
+NOT_YET = {"tapa+vfirst+vmajor": "V-Major is not implemented yet (roadmap item 5)"}
+# The slowest shaped link of every preset is the one named "uplink" in the emulation: the node
+# uplink (shared-uplink, aurora-like) or the leaf-to-spine uplink carrying cross-rail traffic (rail).
+SLOW_DEVICE = "uplink"
+
+
+def _slow_bytes(fabric: Fabric) -> int:
+    return sum(row["sent_bytes"] for row in fabric.qdisc_stats() if row["dev"] == SLOW_DEVICE)
+
+
+def _run_config(fabric: Fabric, run: Run, variant: str, repeat: int, work: Path, timeout: float) -> dict:
+    sync = work / "sync"
+    sync.mkdir(parents=True)
+    argv = [sys.executable, *run.argv((variant,), work), "--repeat", str(repeat), "--sync-dir", str(sync)]
+    outcome: dict = {}
+
+    def job() -> None:
+        outcome["result"] = fabric.run(argv, timeout=timeout, extra_env={"COCODIFF_COMM_STATS": "1"},
+                                       capture_output=True, text=True)
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    counters = {}
+    for phase in ("warm", "done"):
+        while not (sync / phase).exists() and thread.is_alive():
+            time.sleep(0.05)
+        if not thread.is_alive():
+            break
+        counters[phase] = _slow_bytes(fabric)
+        (sync / f"{phase}.go").write_text("")
+    thread.join()
+    result = outcome["result"]
+    if result.returncode != 0:
+        raise RuntimeError(f"{variant} failed on {fabric.preset} (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    where = output_dir(work, tiny_models.SPECS[run.model].model_id, variant)
+    report = json.loads((where / "result.json").read_text())
+    report["images"] = np.load(where / "images.npy")
+    report["slow_link_bytes_total"] = counters["done"] - counters["warm"]
+    return report
+
+
+def _psnr(reference: np.ndarray, candidate: np.ndarray) -> float | None:
+    """PSNR in dB of images in [0, 1]; None when identical (infinite)."""
+    mse = float(np.mean((reference.astype(np.float64) - candidate.astype(np.float64)) ** 2))
+    return None if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def bench_e2e(
+    fabric_name: str,
+    model: str = "tiny-flux",
+    nodes: int = 2,
+    local: int = 2,
+    size: int = DEFAULT_SIZE,
+    steps: int = DEFAULT_STEPS,
+    repeat: int = DEFAULT_REPEAT,
+    params: dict | None = None,
+    timeout: float = TIMEOUT_S,
+) -> dict:
+    fabric = Fabric(fabric_name, nodes, local, params=params)
+    topology = topology_for(fabric_name, nodes, local)
+    run = Run(model=model, ulysses_degree=fabric.world, topology=topology, steps=steps, height=size, width=size)
+    run.check()
+    tiny_models.ensure_fixture(model)
+    reports = {}
+    with fabric, tempfile.TemporaryDirectory() as tmp:
+        for name, variant in CONFIGS.items():
+            print(f"  {name} ...", file=sys.stderr, flush=True)
+            reports[name] = _run_config(fabric, run, variant, repeat, Path(tmp) / name, timeout)
+    stock = reports["stock"]
+    configs = []
+    for name, r in reports.items():
+        comm, per_step = r["comm"], 1.0 / (r["comm"]["runs"] * steps)
+        hidden = sum((o["exchange_s"] - o["exposed_s"]) * o["calls"] for o in comm["overlap"] if o["label"].endswith(".v"))
+        exposed_s = comm["blocked_s_max_over_ranks"] * per_step
+        hidden_s = max(hidden, 0.0) * per_step
+        diff = compare(stock["images"], r["images"])
+        configs.append(
+            {
+                "name": name,
+                "step_s": r["seconds"] / steps,
+                "comm_s": exposed_s + hidden_s,
+                "comm_exposed_s": exposed_s,
+                "comm_hidden_s": hidden_s,
+                "slow_link_bytes": r["slow_link_bytes_total"] * per_step,
+                "exchanges_per_step": comm["exchanges"] * per_step,
+                "bytes_per_step": comm["bytes"] * per_step,
+                "v_overlap": [o for o in comm["overlap"] if o["label"].endswith(".v")],
+                "max_abs_diff": diff["max_abs_diff"],
+                "bitwise_equal": diff["bitwise_equal"],
+                "psnr": _psnr(stock["images"], r["images"]),
+                "speedup_vs_stock": stock["seconds"] / r["seconds"],
+            }
+        )
+    stock_row = configs[0]
+    share = stock_row["comm_exposed_s"] / stock_row["step_s"]
+    return {
+        "model": model,
+        "fabric": fabric_name,
+        "nodes": nodes,
+        "local": local,
+        "ulysses_degree": fabric.world,
+        "size": size,
+        "steps": steps,
+        "timed_runs": repeat,
+        "per": "denoising step (median pipeline time / steps; communication summed over the timed runs / steps)",
+        "regime": (
+            f"{'communication' if share >= 0.5 else 'compute'}-bound: stock spends {share:.0%} of a step blocked "
+            f"in all-to-all on this fabric"
+        ),
+        "fabric_description": fabric.describe(),
+        "configs": configs,
+        "not_run": NOT_YET,
+    }
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"{report['model']} {report['size']}x{report['size']}, {report['steps']} steps, ulysses {report['ulysses_degree']} "
+        f"on {report['fabric']} {report['nodes']}x{report['local']} ({report['timed_runs']} timed runs)",
+        f"regime: {report['regime']}",
+        f"{'config':<13} {'step ms':>8} {'comm ms':>8} {'exposed':>8} {'hidden':>8} {'slow KiB':>9} "
+        f"{'speedup':>8} {'max|diff|':>10} {'PSNR dB':>8}",
+    ]
+    for c in report["configs"]:
+        psnr = "inf" if c["psnr"] is None else f"{c['psnr']:.1f}"
+        lines.append(
+            f"{c['name']:<13} {c['step_s'] * 1e3:8.1f} {c['comm_s'] * 1e3:8.1f} {c['comm_exposed_s'] * 1e3:8.1f} "
+            f"{c['comm_hidden_s'] * 1e3:8.1f} {c['slow_link_bytes'] / 1024:9.0f} {c['speedup_vs_stock']:7.2f}x "
+            f"{c['max_abs_diff']:10.3g} {psnr:>8}"
+        )
+        for o in c["v_overlap"]:
+            lines.append(
+                f"{'':<13}   V-First {o['label']}: exchange {o['exchange_s'] * 1e3:.2f} ms, exposed "
+                f"{o['exposed_s'] * 1e3:.2f} ms -> {o['hidden_share']:.0%} hidden"
+            )
+    for name, why in report["not_run"].items():
+        lines.append(f"{name:<13} not run: {why}")
+    return "\n".join(lines)
+
+
+def run_cli(args) -> int:
+    from cocodiff_xfuser.tools.bench import plots
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    params = {key: float(value) for key, value in (kv.split("=", 1) for kv in args.param)}
+    report = bench_e2e(args.fabric, args.model, args.nodes, args.local, args.size, args.steps, args.repeat,
+                       params or None, args.timeout)
+    stem = f"e2e-{args.model}-{args.fabric}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    plots.plot_e2e(report, out / f"{stem}.png")
+    print(json.dumps(report) if args.json else format_report(report) + f"\nwritten: {out / stem}.json, .png")
+    return 0

@@ -1,0 +1,74 @@
+"""The ``cocodiff`` command: ``verify``, ``demo`` and ``bench {a2a,e2e}``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from cocodiff_xfuser.tools import demo, verify
+from cocodiff_xfuser.tools.bench import a2a as bench_a2a
+from cocodiff_xfuser.tools.bench import e2e as bench_e2e
+from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
+from cocodiff_xfuser.tools.models import tiny as tiny_models
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cocodiff", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    verify_cmd = sub.add_parser("verify", help="stock Ulysses vs cocodiff on a tiny model, same seed, compared")
+    verify_cmd.add_argument("--model", required=True, choices=sorted(tiny_models.SPECS))
+    verify_cmd.add_argument("--ulysses-degree", type=int, required=True)
+    verify_cmd.add_argument("--ring-degree", type=int, default=1)
+    verify_cmd.add_argument("--cfg-parallel", action="store_true", help="guidance halves on two rank groups (CFG models)")
+    verify_cmd.add_argument("--topology", default=None, help="emulated NxL[xT] (nodes x ranks per node [x tiles])")
+    verify_cmd.add_argument("--steps", type=int, default=None)
+    verify_cmd.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")
+    verify_cmd.add_argument("--timeout", type=float, default=verify.TIMEOUT_S, help="seconds per torchrun job")
+    verify_cmd.add_argument("--json", action="store_true", help="print one JSON object")
+
+    demo_cmd = sub.add_parser("demo", help="tiny FLUX on 4 CPU ranks (2 nodes x 2), stock vs cocodiff")
+    demo_cmd.add_argument("--out", default="demo-output", help="directory for the two images and the report")
+    demo_cmd.add_argument("--size", type=int, default=demo.SIZE, help="image height and width")
+    demo_cmd.add_argument("--steps", type=int, default=demo.STEPS)
+    demo_cmd.add_argument("--timeout", type=float, default=demo.TIMEOUT_S)
+
+    bench = sub.add_parser("bench", help="benchmarks, side by side in one run (emulated cluster: run as root)")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    a2a = kinds.add_parser("a2a", help="all-to-all: flat vs hierarchical vs the autotuned choice, vs the physical bound")
+    e2e = kinds.add_parser("e2e", help="a tiny DiT pipeline: stock Ulysses vs cocodiff mechanisms, cumulatively")
+    for p in (a2a, e2e):
+        p.add_argument("--fabric", choices=FABRICS, default=None if p is a2a else "rail",
+                       help="emulated cluster preset (network namespaces; needs root)" + ("; default: loopback" if p is a2a else ""))
+        p.add_argument("--nodes", type=int, default=2)
+        p.add_argument("--local", type=int, default=2, help="ranks per node")
+        p.add_argument("--out", default="bench-output", help="directory for the JSON and the PNG")
+        p.add_argument("--timeout", type=float, default=(bench_a2a if p is a2a else bench_e2e).TIMEOUT_S)
+        p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    a2a.add_argument("--sizes-mib", default=",".join(map(str, bench_a2a.DEFAULT_SIZES_MIB)), help="message sizes per rank, MiB")
+    a2a.add_argument("--reps", type=int, default=bench_a2a.DEFAULT_REPS)
+    e2e.add_argument("--model", choices=sorted(tiny_models.SPECS), default="tiny-flux")
+    e2e.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="fabric parameter override")
+    e2e.add_argument("--size", type=int, default=bench_e2e.DEFAULT_SIZE, help="image height and width")
+    e2e.add_argument("--steps", type=int, default=bench_e2e.DEFAULT_STEPS)
+    e2e.add_argument("--repeat", type=int, default=bench_e2e.DEFAULT_REPEAT, help="timed pipeline calls per configuration")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args, extra = _parser().parse_known_args(argv)
+    if args.command == "verify":
+        return verify.main(args, extra)
+    if args.command == "demo":
+        return demo.main(args)
+    if args.command == "bench" and args.kind == "a2a":
+        return bench_a2a.run_cli(args)
+    if args.command == "bench" and args.kind == "e2e":
+        return bench_e2e.run_cli(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Image generation through xfuser's own runner, as ``xdit`` does it; run under torchrun.
+
+``python -m cocodiff_xfuser.tools.generate --out DIR [--backends ulysses,cocodiff] <xdit flags>``
+runs the pipeline with the flags a user would give ``xdit`` (``--model`` may list several,
+comma-separated), once per model and backend (one
+process start for all of them: start-up dominates on small machines), and on the last rank
+(the one xfuser saves from) writes ``DIR/<model>/<backend>/images.npy`` (float images in
+[0, 1]) and ``result.json``. ``verify``, ``demo``, the benchmarks and the tests read these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+# Named backend configurations a job can run one after the other.
+VARIANTS = {
+    "ulysses": {"sp_backend": "ulysses"},
+    "cocodiff": {"sp_backend": "cocodiff"},
+    "cocodiff+vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True},
+}
+
+
+def output_dir(out: Path, model: str, backend: str) -> Path:
+    return out / model.replace("/", "--") / backend
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours = argparse.ArgumentParser(add_help=False)
+    ours.add_argument("--out", required=True, type=Path)
+    ours.add_argument("--backends", default=None, help=f"comma-separated from {sorted(VARIANTS)}; default: the flags")
+    ours.add_argument("--save-png", action="store_true")
+    ours.add_argument("--repeat", type=int, default=0, help="after a first (warm-up, autotuning) run, time this many runs")
+    ours.add_argument("--sync-dir", type=Path, default=None, help="with --repeat: hand-shake files around the timed runs")
+    mine, runner_argv = ours.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO)  # as xfuser's runner does
+
+    from xfuser import xFuserArgs
+    from xfuser.config import FlexibleArgumentParser
+    from xfuser.core.utils.runner_utils import is_last_process
+    from xfuser.runner import xFuserModelRunner
+
+    parser = xFuserArgs.add_runner_args(FlexibleArgumentParser())
+    base = vars(parser.parse_args(runner_argv))
+    models = base["model"].split(",")
+    backends = mine.backends.split(",") if mine.backends else [base["sp_backend"]]
+    unknown = [b for b in backends if b not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown backend variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    runner = None
+    for model in models:
+        for backend in backends:
+            args = {**base, "model": model, **VARIANTS[backend]}
+            runner = xFuserModelRunner(args)
+            input_args = runner.preprocess_args(args)
+            input_args["output_type"] = "np"
+            runner.initialize(input_args)
+            output, timings = runner.run(input_args)
+            comm = None
+            if mine.repeat:
+                output, timings, comm = _timed_runs(runner, input_args, mine.repeat, mine.sync_dir)
+            if is_last_process():
+                _save(output_dir(mine.out, model, backend), output, timings, input_args, comm, mine.save_png)
+    if runner is not None:
+        runner.cleanup()
+
+
+def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None):
+    """``repeat`` runs after the first, with communication statistics of those runs only."""
+    import torch
+    import torch.distributed as dist
+
+    from cocodiff_xfuser import commstats
+
+    _handshake(sync_dir, "warm")
+    commstats.reset()
+    timings = []
+    for _ in range(repeat):
+        output, run_timings = runner.run(input_args)
+        timings += run_timings
+    _handshake(sync_dir, "done")
+    comm = commstats.report()
+    # The slowest rank sets the pace: report its blocked time.
+    blocked = torch.tensor([comm["blocked_s"]], dtype=torch.float64)
+    dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
+    comm["blocked_s_max_over_ranks"] = float(blocked)
+    comm["runs"] = repeat
+    return output, timings, comm
+
+
+def _handshake(sync_dir: Path | None, name: str, timeout_s: float = 300.0) -> None:
+    """All ranks stop; rank 0 announces ``name`` and waits for ``name.go`` (a driver measuring around us)."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if sync_dir is not None and dist.get_rank() == 0:
+        (sync_dir / name).write_text("")
+        deadline = time.monotonic() + timeout_s
+        while not (sync_dir / f"{name}.go").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {name}.go in {sync_dir} after {timeout_s:g} s")
+            time.sleep(0.05)
+    dist.barrier()
+
+
+def _save(out: Path, output, timings: list, args: dict, comm: dict | None, save_png: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    images = np.stack([np.asarray(image) for image in output.images])
+    np.save(out / "images.npy", images)
+    if save_png:
+        from diffusers.utils import numpy_to_pil
+
+        for i, image in enumerate(numpy_to_pil(images)):
+            image.save(out / f"image_{i}.png")
+    result = {
+        "model": args["model"],
+        "sp_backend": args["sp_backend"],
+        "v_first": bool(args.get("cocodiff_v_first")),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "seconds": statistics.median(timings) if timings else None,
+        "timings": timings,
+        "steps": args.get("num_inference_steps"),
+        "comm": comm,
+    }
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Wiring of the backend into xfuser: activation with the process groups, every Ulysses exchange
+routed to it, per model a fall-back to stock or the V-First processors, and external models."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import types
+
+from cocodiff_xfuser import backend, commstats
+from cocodiff_xfuser.xfuser import compat
+from cocodiff_xfuser.xfuser.flags import BACKEND_ENV, SP_BACKENDS
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+#: Entry-point group of model registrations for xfuser's runner: ``register(base_model_module)``.
+#: Loaded on the first lookup of a name xfuser does not know, so user jobs load none of them.
+MODELS_ENTRY_POINTS = "cocodiff_xfuser.models"
+
+
+def _activating_backend(original):
+    def _check_distributed_env(self, parallel_config):
+        original(self, parallel_config)
+        config = self.runtime_config
+        name = getattr(config, "sp_backend", None) or os.environ.get(BACKEND_ENV, "ulysses")
+        if name not in SP_BACKENDS:
+            raise ValueError(f"unknown sp backend {name!r}: expected one of {', '.join(SP_BACKENDS)}")
+        if name == "cocodiff" and parallel_config.tp_degree > 1:
+            # xfuser 0.7.0 builds SP groups that do not line up with yunchang's Ulysses groups
+            # under tensor parallelism.
+            logger.warning("cocodiff: tensor parallelism is not supported; falling back to stock Ulysses")
+            backend.deactivate()
+        elif name == "cocodiff":
+            from xfuser.core.distributed import get_sp_group
+
+            options = backend.Options(
+                topology=getattr(config, "cocodiff_topology", None),
+                a2a=getattr(config, "cocodiff_a2a", None) or "auto",
+                v_first=bool(getattr(config, "cocodiff_v_first", False)),
+            )
+            backend.activate(get_sp_group().ulysses_group, options)
+        else:
+            backend.deactivate()
+
+    return _check_distributed_env
+
+
+def patch_runtime_state(rs: types.ModuleType) -> None:
+    compat.wrap(rs.RuntimeState, "_check_distributed_env", _activating_backend)
+
+
+def _routed_all_to_all(original):
+    def _sdpa_all_to_all_single(x):
+        active = backend.active()
+        return commstats.timed_exchange(original if active is None else active.all_to_all, x)
+
+    return _sdpa_all_to_all_single
+
+
+def route_all_to_all(usp: types.ModuleType) -> None:
+    """Every Ulysses exchange of every model goes through ``usp._sdpa_all_to_all_single``."""
+    compat.wrap(usp, "_sdpa_all_to_all_single", _routed_all_to_all)
+
+
+def _adapting_model_after(original, get_transformers):
+    """After a model loads: fall back to stock for unsupported models, else install V-First."""
+
+    def wrapper(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        active = backend.active()
+        if active is None:
+            return result
+        from cocodiff_xfuser import processors
+
+        transformers = get_transformers(self, result)
+        reason = next(filter(None, map(processors.unsupported_reason, transformers)), None)
+        if reason is not None:
+            logger.warning("cocodiff: %s; falling back to stock Ulysses", reason)
+            backend.deactivate()
+        elif active.options.v_first:
+            for transformer in transformers:
+                processors.install(transformer)
+        return result
+
+    return wrapper
+
+
+class _ModelRegistry(dict):
+    """xfuser's ``MODEL_REGISTRY``, completed by the ``cocodiff_xfuser.models`` entry points the
+    first time a name it lacks is looked up (the runner's only lookup is ``get``)."""
+
+    def __init__(self, base_model: types.ModuleType, models: dict) -> None:
+        super().__init__(models)
+        self._base_model = base_model
+        self._loaded = False
+
+    def get(self, name, default=None):
+        if name not in self and not self._loaded:
+            self._loaded = True
+            for entry in importlib.metadata.entry_points(group=MODELS_ENTRY_POINTS):
+                entry.load()(self._base_model)
+        return super().get(name, default)
+
+
+def patch_runner_base_model(module: types.ModuleType) -> None:
+    def transformers(model, pipe):
+        return [getattr(pipe, name) for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None]
+
+    cls = compat.target(module, "xFuserModel")
+    compat.wrap(cls, "initialize", lambda original: _adapting_model_after(original, lambda m, _: transformers(m, m.pipe)))
+    registry = compat.target(module, "MODEL_REGISTRY")
+    if not isinstance(registry, _ModelRegistry):
+        # register_model writes to the module global at call time, so later registrations land here too.
+        module.MODEL_REGISTRY = _ModelRegistry(module, registry)
+
+
+def patch_base_pipeline(module: types.ModuleType) -> None:
+    cls = compat.target(module, "xFuserPipelineBaseWrapper")
+    compat.wrap(cls, "_convert_transformer_backbone", lambda original: _adapting_model_after(original, lambda _, t: [t]))

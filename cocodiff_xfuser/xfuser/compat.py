@@ -1,0 +1,107 @@
+"""The one way cocodiff reaches into xfuser: the tested version, checked patch targets, private names.
+
+Every patch goes through :func:`target` / :func:`wrap`, which fail with one clear
+:class:`IncompatibleXfuser` line when a target is missing, and every private (underscore) name
+that cocodiff reads at run time is listed in :data:`PRIVATE_NAMES` and read with
+:func:`private`; :func:`missing` checks the whole list against the installed xfuser.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+from typing import Any, Callable
+
+TESTED_XFUSER_VERSION = "0.7.0"
+
+_USP = "xfuser.model_executor.layers.usp"
+_TRANSFORMERS = "xfuser.model_executor.models.transformers"
+
+#: Private xfuser names read by cocodiff at run time, as (module, name).
+PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    (_USP, "_concat_joint_tensor"),
+    (_USP, "_preprocess_joint_tensors"),
+    (_USP, "_trim_trailing_kv_padding"),
+    (_USP, "_get_attention_function"),
+    ("xfuser.model_executor.layers.attention_processor", "_joint_sp_padding_attention_kwargs"),
+    (f"{_TRANSFORMERS}.transformer_flux", "_HAS_FLYDSL"),
+    (f"{_TRANSFORMERS}.transformer_flux2", "_HAS_FLYDSL"),
+    (f"{_TRANSFORMERS}.transformer_qwen", "_HAS_FLYDSL"),
+    (f"{_TRANSFORMERS}.transformer_wan", "_HAS_FLYDSL"),
+    ("xfuser.model_executor.models.runner_models.wan", "_build_attention_kwargs"),
+)
+
+
+class IncompatibleXfuser(RuntimeError):
+    """The installed xfuser is not the one these patches were written against."""
+
+
+def xfuser_version() -> str | None:
+    try:
+        return importlib.metadata.version("xfuser")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def target(owner: object, name: str) -> Any:
+    """``owner.name``, or a clear error if this xfuser no longer has it."""
+    if not hasattr(owner, name):
+        where = getattr(owner, "__name__", type(owner).__name__)
+        raise IncompatibleXfuser(
+            f"cocodiff-xfuser: {where}.{name} not found; xfuser {xfuser_version()} differs from "
+            f"the tested {TESTED_XFUSER_VERSION}"
+        )
+    return getattr(owner, name)
+
+
+def wrap(owner: object, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``owner.name`` with ``make(original)``, once (re-wrapping is a no-op).
+
+    Static and class methods are unwrapped, wrapped and re-wrapped as the same kind.
+    """
+    raw = target(owner, name)
+    if isinstance(owner, type):
+        raw = vars(owner).get(name, raw)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    original = raw.__func__ if kind else raw
+    if is_wrapped(original):
+        return
+    wrapped = functools.update_wrapper(make(original), original)
+    wrapped._cocodiff_wrapped = True  # type: ignore[attr-defined]
+    setattr(owner, name, kind(wrapped) if kind else wrapped)
+
+
+def is_wrapped(function: object) -> bool:
+    return getattr(function, "_cocodiff_wrapped", False)
+
+
+def private(module: str, name: str) -> Any:
+    """The private xfuser name ``module.name`` (one of :data:`PRIVATE_NAMES`), checked."""
+    if (module, name) not in PRIVATE_NAMES:
+        raise ValueError(f"{module}.{name} is not in compat.PRIVATE_NAMES; add it there")
+    return target(importlib.import_module(module), name)
+
+
+def usp(name: str) -> Any:
+    """A private helper of xfuser's Ulysses module (``usp._concat_joint_tensor``...)."""
+    return private(_USP, name)
+
+
+def fused_qk_kernel_reason(family: str) -> str | None:
+    """Why a V-First processor of ``family`` (``flux``, ``flux2``, ``qwen``, ``wan``) must not run:
+    xfuser then uses its fused FlyDSL QK-norm/RoPE kernel, which V-First does not reproduce."""
+    if private(f"{_TRANSFORMERS}.transformer_{family}", "_HAS_FLYDSL"):
+        return "the fused FlyDSL QK-norm/RoPE kernel"
+    return None
+
+
+def missing() -> list[str]:
+    """The private names this xfuser lacks (empty for the tested version)."""
+    found = []
+    for module, name in PRIVATE_NAMES:
+        try:
+            private(module, name)
+        except (IncompatibleXfuser, ImportError) as e:
+            found.append(f"{module}.{name}: {e}")
+    return found

@@ -1,0 +1,107 @@
+"""The ``--sp-backend`` flag and cocodiff's options on both xfuser entry paths, carried into
+``runtime_config`` (readable as ``get_runtime_state().runtime_config.<name>``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+from cocodiff_xfuser.comm.registry import A2A_SETTINGS
+from cocodiff_xfuser.xfuser import compat
+
+BACKEND_ENV = "XFUSER_SP_BACKEND"
+SP_BACKENDS = ("ulysses", "cocodiff")
+
+
+def cocodiff_requested(argv: list[str] | None = None) -> bool:
+    """Whether this process asked for the cocodiff backend (flag or environment)."""
+    argv = sys.argv if argv is None else argv
+    if os.environ.get(BACKEND_ENV, "").strip().lower() == "cocodiff":
+        return True
+    for i, arg in enumerate(argv):
+        key, _, value = arg.partition("=")
+        if key in ("--sp-backend", "--sp_backend") and (value or (argv[i + 1] if i + 1 < len(argv) else "")) == "cocodiff":
+            return True
+    return False
+
+
+
+def _add_backend_args(parser) -> None:
+    group = parser.add_argument_group("cocodiff-xfuser")
+    default = os.environ.get(BACKEND_ENV, "ulysses").strip().lower() or "ulysses"
+    if default not in SP_BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={default!r}: expected one of {', '.join(SP_BACKENDS)}")
+    group.add_argument(
+        "--sp_backend",
+        "--sp-backend",
+        choices=SP_BACKENDS,
+        default=default,
+        help=f"Sequence-parallel backend: stock 'ulysses' or 'cocodiff' (default from ${BACKEND_ENV}, else ulysses).",
+    )
+    group.add_argument(
+        "--cocodiff_topology",
+        "--cocodiff-topology",
+        default=None,
+        help="cocodiff: hardware levels as NxL[xT] (nodes x ranks per node [x tiles]), a preset in configs/ "
+        "(aurora, dgx-h100) or 'auto' (detected from hostnames and LOCAL_WORLD_SIZE; the default).",
+    )
+    group.add_argument(
+        "--cocodiff_a2a",
+        "--cocodiff-a2a",
+        choices=A2A_SETTINGS,
+        default="auto",
+        help="cocodiff: all-to-all algorithm; 'auto' measures flat vs hierarchical per message size.",
+    )
+    group.add_argument(
+        "--cocodiff_v_first",
+        "--cocodiff-v-first",
+        action="store_true",
+        help="cocodiff: V-First attention processors (V's exchange overlaps Q/K projection, norm and RoPE).",
+    )
+
+
+BACKEND_KEYS = ("sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first")
+
+
+def patch_args(args_module: types.ModuleType) -> None:
+    cls = compat.target(args_module, "xFuserArgs")
+
+    def adding_flags(original):
+        def add_args(parser):
+            parser = original(parser)
+            if "--sp_backend" not in parser._option_string_actions:
+                _add_backend_args(parser)
+            return parser
+
+        return add_args
+
+    compat.wrap(cls, "add_cli_args", adding_flags)
+    compat.wrap(cls, "add_runner_args", adding_flags)
+
+    # from_*_args keep only dataclass fields; carry ours across as plain attributes.
+    def carrying(get):
+        def make(original):
+            def from_args(klass, args):
+                engine_args = original(klass, args)
+                for key in BACKEND_KEYS:
+                    setattr(engine_args, key, get(args, key))
+                return engine_args
+
+            return from_args
+
+        return make
+
+    compat.wrap(cls, "from_cli_args", carrying(lambda args, key: getattr(args, key, None)))
+    compat.wrap(cls, "from_runner_args", carrying(lambda args, key: args.get(key)))
+
+    def make(original):
+        def create_config(self):
+            engine_config, input_config = original(self)
+            for key in BACKEND_KEYS:
+                setattr(engine_config.runtime_config, key, getattr(self, key, None))
+            return engine_config, input_config
+
+        return create_config
+
+    compat.wrap(cls, "create_config", make)

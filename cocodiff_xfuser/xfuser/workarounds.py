@@ -1,0 +1,83 @@
+"""Workarounds of xfuser 0.7.0 bugs: under ``--sp-backend cocodiff``, and on hosts without CUDA.
+
+On a CUDA host without the flag the stock code runs unchanged (and fails as it would without
+this package). On XPU and CPU hosts, where stock xfuser cannot run at all without the platform
+enablement (:mod:`.devices`), they are part of that enablement, so that stock Ulysses there is the
+reference cocodiff is compared with.
+"""
+
+from __future__ import annotations
+
+import types
+
+from cocodiff_xfuser import backend
+from cocodiff_xfuser.platform import detect
+from cocodiff_xfuser.xfuser import compat
+
+
+def _on() -> bool:
+    return backend.active() is not None or not detect().is_cuda
+
+
+def patch_transformer_flux(module: types.ModuleType) -> None:
+    """xfuser 0.7.0 calls ``self._pad_to_sp_divisible`` (an AttributeError: the method is
+    ``pad_to_sp_divisible``) when image tokens % SP != 0. Calling the real method is no fix:
+    the zero padding is attended and the image changes, so say so clearly instead."""
+    cls = compat.target(module, "xFuserFlux1Transformer2DWrapper")
+    compat.target(cls, "pad_to_sp_divisible")
+    if getattr(cls, "_pad_to_sp_divisible", None) is not None:
+        return
+
+    def _pad_to_sp_divisible(self, tensor, padding_length: int, dim: int):
+        from xfuser.core.distributed import get_sequence_parallel_world_size
+
+        if not _on():  # stock: the misspelled method does not exist
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pad_to_sp_divisible'")
+        raise ValueError(
+            f"FLUX under sequence parallelism: {tensor.shape[dim]} image tokens are not divisible by the SP degree "
+            f"{get_sequence_parallel_world_size()}; xfuser 0.7.0 would attend to its zero padding and change the "
+            f"image. Choose a resolution whose image token count is divisible by the SP degree."
+        )
+
+    cls._pad_to_sp_divisible = _pad_to_sp_divisible
+
+
+def patch_attention_processor(module: types.ModuleType) -> None:
+    """SD3.5's ``attn2`` (no text stream) hits ``UnboundLocalError: joint_strategy`` under SP."""
+    cls = compat.target(module, "xFuserJointAttnProcessor2_0")
+
+    def make(original):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+            if encoder_hidden_states is None and _on():
+                from cocodiff_xfuser.processors.sd3 import image_only_joint_attention
+
+                return image_only_joint_attention(attn, hidden_states)
+            return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+
+        return __call__
+
+    compat.wrap(cls, "__call__", make)
+
+
+def patch_transformer_qwen(module: types.ModuleType) -> None:
+    """xfuser 0.7.0 pads Qwen-Image sequences to the SP degree but its attention ignores the mask,
+    so the padding is attended and the image silently changes: refuse those lengths instead."""
+    cls = compat.target(module, "xFuserQwenImageTransformerWrapper")
+
+    def make(original):
+        def forward(self, hidden_states, encoder_hidden_states=None, *args, **kwargs):
+            from xfuser.core.distributed import get_sequence_parallel_world_size
+
+            sp = get_sequence_parallel_world_size() if _on() else 1
+            for stream, tensor in (("image", hidden_states), ("text", encoder_hidden_states)):
+                if sp > 1 and tensor is not None and tensor.shape[1] % sp:
+                    raise ValueError(
+                        f"Qwen-Image under sequence parallelism: {tensor.shape[1]} {stream} tokens are not divisible "
+                        f"by the SP degree {sp}; xfuser 0.7.0 would attend to its zero padding and change the image. "
+                        f"Choose a resolution / max_sequence_length divisible by {sp}."
+                    )
+            return original(self, hidden_states, encoder_hidden_states, *args, **kwargs)
+
+        return forward
+
+    compat.wrap(cls, "forward", make)

@@ -1,0 +1,99 @@
+"""``cocodiff bench a2a``: the driver on an emulated 2x2 rail fabric (CI-sized smoke run).
+
+Correctness and report completeness only; no timing assertions (figures come from full runs,
+see docs/results/). Skips with the reason when namespaces cannot be built here (needs root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from cocodiff_xfuser.tools.bench import a2a as bench
+from cocodiff_xfuser.tools.fabric import Fabric
+
+
+def test_topology_and_regime_text():
+    assert bench.topology_for("rail", 2, 2) == "2x2"
+    assert bench.topology_for("aurora-like", 2, 4) == "2x2x2"
+    assert bench.topology_for(None, 1, 4) == "1x4"
+    assert bench.regime(Fabric("rail", 2, 2), 16 << 20).startswith("routing-bound")
+    assert bench.regime(Fabric("shared-uplink", 2, 2), 16 << 20).startswith("bandwidth-bound")
+    assert bench.regime(None, 16 << 20).startswith("loopback")
+
+
+def test_run_cli_reports_unavailable_fabric(monkeypatch, capsys):
+    import cocodiff_xfuser.tools.fabric as fabric
+
+    monkeypatch.setattr(fabric, "available", lambda refresh=False: (False, "no namespaces in this test"))
+    args = argparse.Namespace(fabric="rail", nodes=2, local=2, sizes_mib="1", reps=1, out=None, json=True)
+    assert bench.run_cli(args) == 2
+    assert "no namespaces in this test" in capsys.readouterr().err
+
+
+def _need_fabric():
+    from cocodiff_xfuser.tools.fabric import available
+
+    ok, reason = available()
+    if not ok:
+        pytest.skip(f"emulated fabric unavailable: {reason}")
+
+
+def test_smoke_rail_2x2(tmp_path, capsys):
+    _need_fabric()
+    args = argparse.Namespace(
+        fabric="rail", nodes=2, local=2, sizes_mib="0.5", reps=2, out=str(tmp_path), json=True, timeout=50
+    )
+    t0 = time.monotonic()
+    rc = bench.run_cli(args)  # the worker checks every algorithm bitwise against the stock one
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert time.monotonic() - t0 < 60
+    report = json.loads(captured.out)
+    assert report == json.loads((tmp_path / "a2a.json").read_text())
+    assert (tmp_path / "a2a.png").stat().st_size > 1000
+    assert "flat (stock)" in captured.err  # the table goes to stderr with --json
+    # The fabric (namespaces ccd-a<pid>-*) is torn down.
+    prefix = f"ccd-a{os.getpid() % 100000}-"
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [line for line in netns.splitlines() if line.startswith(prefix)]
+
+    for key in ("fabric", "nodes", "local", "topology", "regime", "describe", "candidates", "results", "timing"):
+        assert key in report, key
+    assert (report["fabric"], report["nodes"], report["local"], report["topology"]) == ("rail", 2, 2, "2x2")
+    assert report["levels"] == [2, 2] and report["world_size"] == 4
+    assert report["describe"].startswith("fabric rail") and report["regime"]
+    assert report["candidates"] == ["flat", "flat_p2p", "hierarchical"]
+    assert report["tc_drops"] == 0
+    (r,) = report["results"]
+    assert r["size_bytes"] == 1 << 19
+    for name in ("flat", "flat_p2p", "hierarchical", "hierarchical_collective"):
+        assert 0 < r[f"{name}_min_s"] <= r[f"{name}_s"], name
+        assert len(r["times_s"][name]) == 2
+    assert r["chosen"] in report["candidates"]
+    assert r["chosen_s"] == r[f"{r['chosen']}_s"] > 0
+    assert r["speedup_vs_flat"] == pytest.approx(r["flat_s"] / r["chosen_s"])
+    assert r["bound_s"] == pytest.approx(Fabric("rail", 2, 2).bound_s("all_to_all", 1 << 19))
+    assert r["bound_flat_routes_s"] == pytest.approx(2 * r["bound_s"])
+    assert r["fraction_of_bound"] == pytest.approx(r["chosen_s"] / r["bound_s"])
+    assert set(r["autotune_s"]) == {"flat", "flat_p2p", "hierarchical"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["rail", "shared-uplink"])
+def test_documented_benchmark_runs_on_both_regimes(preset, tmp_path, capsys):
+    """The runs behind docs/benchmarks.md (4-16 MiB per rank): complete and lossless, never timed here."""
+    _need_fabric()
+    args = argparse.Namespace(
+        fabric=preset, nodes=2, local=2, sizes_mib="4,8,16", reps=9, out=str(tmp_path), json=True, timeout=900
+    )
+    assert bench.run_cli(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["size_bytes"] >> 20 for r in report["results"]] == [4, 8, 16]
+    for r in report["results"]:
+        assert r["chosen"] in report["candidates"] and r["fraction_of_bound"] >= 0.9 and r["bound_s"] > 0

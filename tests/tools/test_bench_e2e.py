@@ -1,0 +1,30 @@
+"""CI-sized smoke run of ``cocodiff bench e2e`` on an emulated 2x2 rail fabric: correctness and JSON only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cocodiff_xfuser.tools import fabric
+from cocodiff_xfuser.tools.bench import e2e as bench_e2e
+
+ok, why = fabric.available()
+pytestmark = pytest.mark.skipif(not ok, reason=f"emulated fabric unavailable: {why}")
+
+CONFIG_KEYS = ("name", "step_s", "comm_s", "slow_link_bytes", "max_abs_diff", "psnr", "speedup_vs_stock")
+
+
+def test_e2e_smoke_is_lossless_and_complete():
+    report = bench_e2e.bench_e2e("rail", "tiny-flux", size=64, steps=2, repeat=1, timeout=600)
+    json.dumps(report)  # serializable
+    for key in ("model", "fabric", "configs", "regime"):
+        assert key in report
+    assert [c["name"] for c in report["configs"]] == list(bench_e2e.CONFIGS)
+    for config in report["configs"]:
+        assert all(key in config for key in CONFIG_KEYS), config
+        assert config["step_s"] > 0 and config["comm_s"] > 0 and config["slow_link_bytes"] > 0
+        # Every mechanism so far is lossless.
+        assert config["bitwise_equal"] and config["max_abs_diff"] == 0.0 and config["psnr"] is None
+    vfirst = report["configs"][-1]
+    assert {o["label"] for o in vfirst["v_overlap"]} == {"flux.double.v", "flux.single.v"}

@@ -1,0 +1,57 @@
+"""The ``cocodiff`` command end to end, and its errors for bad input (raised before any launch)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cocodiff_xfuser.tools import cli, launcher
+from cocodiff_xfuser.tools.verify import Run
+
+
+def _cocodiff(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cocodiff_xfuser.tools.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_verify_json_reports_bitwise_equality():
+    result = _cocodiff("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "2x2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("model", "ulysses_degree", "ring_degree", "topology", "max_abs_diff", "bitwise_equal",
+                "reference", "seconds_stock", "seconds_cocodiff"):
+        assert key in report
+    assert report["bitwise_equal"] is True and report["max_abs_diff"] == 0.0
+    assert report["reference"] == "stock-ulysses" and report["topology"] == "2x2"
+
+
+def test_demo_prints_the_table_and_saves_both_images(tmp_path):
+    result = _cocodiff("demo", "--out", str(tmp_path), "--size", "64", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stock-ulysses" in result.stdout and "cocodiff" in result.stdout
+    assert (tmp_path / "stock.png").stat().st_size > 0 and (tmp_path / "cocodiff.png").stat().st_size > 0
+    assert json.loads((tmp_path / "report.json").read_text())["bitwise_equal"] is True
+
+
+@pytest.mark.parametrize(
+    "run, message",
+    [
+        (Run(model="tiny-flux", ulysses_degree=3), "not divisible by ulysses degree 3"),
+        (Run(model="tiny-flux", ulysses_degree=4, topology="3x2"), "world size"),
+        (Run(model="tiny-flux", ulysses_degree=4, topology="2x2x"), "topology"),
+        (Run(model="stable-cascade", ulysses_degree=2), "unknown model"),
+    ],
+)
+def test_bad_input_fails_before_launching(run, message, monkeypatch):
+    monkeypatch.setattr(launcher, "torchrun", lambda *a, **k: pytest.fail("launched despite bad input"))
+    with pytest.raises(ValueError, match=message):
+        run.check()
+
+
+def test_unknown_model_is_rejected_by_the_cli():
+    with pytest.raises(SystemExit):
+        cli.main(["verify", "--model", "nope", "--ulysses-degree", "2"])

@@ -1,0 +1,241 @@
+"""The xfuser patches: flag on both entry paths, guards, idempotence, bug workarounds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+import cocodiff_xfuser.xfuser as hooks
+from cocodiff_xfuser import _finder
+from cocodiff_xfuser.xfuser import compat, flags
+
+
+def _parser():
+    from xfuser.config import FlexibleArgumentParser
+
+    return FlexibleArgumentParser()
+
+
+@pytest.mark.parametrize("entry", ["add_cli_args", "add_runner_args"])
+def test_sp_backend_flag_on_both_entry_paths(entry):
+    from xfuser import xFuserArgs
+
+    parser = getattr(xFuserArgs, entry)(_parser())
+    assert parser.parse_args(["--model", "m"]).sp_backend == "ulysses"
+    args = parser.parse_args(["--model", "m", "--sp-backend", "cocodiff", "--cocodiff-topology", "2x2"])
+    assert (args.sp_backend, args.cocodiff_topology, args.cocodiff_a2a) == ("cocodiff", "2x2", "auto")
+
+
+def test_unknown_backend_is_rejected_by_the_parser():
+    from xfuser import xFuserArgs
+
+    parser = xFuserArgs.add_runner_args(_parser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--sp-backend", "megatron"])
+
+
+def test_backend_options_are_carried_into_engine_args():
+    from xfuser import xFuserArgs
+
+    runner = xFuserArgs.from_runner_args({"model": "m", "sp_backend": "cocodiff", "cocodiff_topology": "2x2"})
+    assert (runner.sp_backend, runner.cocodiff_topology) == ("cocodiff", "2x2")
+    cli = xFuserArgs.from_cli_args(xFuserArgs.add_cli_args(_parser()).parse_args(["--model", "m", "--sp_backend=cocodiff"]))
+    assert cli.sp_backend == "cocodiff"
+
+
+def test_patches_are_idempotent():
+    import xfuser.config.args as args_module
+    from xfuser import xFuserArgs
+
+    patched = {name: vars(xFuserArgs)[name] for name in ("add_cli_args", "add_runner_args", "from_cli_args", "create_config")}
+    assert all(compat.is_wrapped(getattr(f, "__func__", f)) for f in patched.values())
+    flags.patch_args(args_module)
+    assert {name: vars(xFuserArgs)[name] for name in patched} == patched  # not wrapped twice
+    parser = xFuserArgs.add_runner_args(_parser())
+    assert sum(1 for action in parser._actions if "--sp_backend" in action.option_strings) == 1
+
+
+def test_missing_patch_target_is_a_clear_error():
+    with pytest.raises(compat.IncompatibleXfuser, match=r"fake\.gone not found"):
+        compat.target(types.ModuleType("fake"), "gone")
+
+
+def test_every_private_xfuser_name_exists():
+    assert compat.missing() == []
+    with pytest.raises(ValueError, match="PRIVATE_NAMES"):
+        compat.private("xfuser.model_executor.layers.usp", "_not_listed")
+
+
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        (["x", "--sp-backend", "cocodiff"], "", True),
+        (["x", "--sp_backend=cocodiff"], "", True),
+        (["x", "--sp-backend", "ulysses"], "", False),
+        (["x"], "cocodiff", True),
+        (["x"], "", False),
+    ],
+)
+def test_cocodiff_requested(argv, env, expected, monkeypatch):
+    monkeypatch.setenv(flags.BACKEND_ENV, env)
+    assert flags.cocodiff_requested(argv) is expected
+
+
+def test_version_guard(monkeypatch):
+    monkeypatch.setattr(compat, "xfuser_version", lambda: "0.6.9")
+    hooks.enabled.cache_clear()
+    try:
+        monkeypatch.setattr(sys, "argv", ["xdit"])
+        monkeypatch.delenv(flags.BACKEND_ENV, raising=False)
+        assert hooks.is_hooked("xfuser.envs") is False  # stock users: silence
+        hooks.enabled.cache_clear()
+        monkeypatch.setattr(sys, "argv", ["xdit", "--sp-backend", "cocodiff"])
+        with pytest.raises(compat.IncompatibleXfuser, match="xfuser==0.7.0"):
+            hooks.is_hooked("xfuser.envs")
+    finally:
+        hooks.enabled.cache_clear()
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
+
+
+def test_pth_installs_the_finder_and_the_switch_disables_it():
+    code = "import sys, cocodiff_xfuser._finder as f; print(any(isinstance(x, f.XfuserFinder) for x in sys.meta_path))"
+    assert _python(code).stdout.strip() == "True"
+    assert _python(code, **{_finder.DISABLE_ENV: "1"}).stdout.strip() == "False"
+
+
+def test_environment_variable_selects_the_default_backend():
+    code = (
+        "from xfuser import xFuserArgs; from xfuser.config import FlexibleArgumentParser;"
+        "print(xFuserArgs.add_runner_args(FlexibleArgumentParser()).parse_args(['--model', 'm']).sp_backend)"
+    )
+    result = _python(code, **{flags.BACKEND_ENV: "cocodiff"})
+    assert result.stdout.strip().splitlines()[-1] == "cocodiff", result.stderr[-2000:]
+
+
+def test_sd3_image_only_attention_matches_diffusers(monkeypatch):
+    """The SD3.5 attn2 workaround computes what diffusers computes; USP (xfuser's) is plain SDPA here."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+    from xfuser.model_executor.layers import usp
+
+    from cocodiff_xfuser.processors.sd3 import image_only_joint_attention
+
+    monkeypatch.setattr(usp, "USP", lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
+    torch.manual_seed(0)
+    attn = Attention(query_dim=32, dim_head=8, heads=4, out_dim=32, qk_norm="rms_norm", processor=JointAttnProcessor2_0())
+    hidden = torch.randn(2, 16, 32)
+    torch.testing.assert_close(image_only_joint_attention(attn, hidden), attn(hidden), rtol=1e-5, atol=1e-5)
+
+
+def _generate_u2(tmp_path, model: str, size: int):
+    from cocodiff_xfuser.tools import launcher
+    from cocodiff_xfuser.tools.verify import Run
+
+    run = Run(model=model, ulysses_degree=2, height=size, width=size)
+    return launcher.torchrun(2, run.argv(("ulysses", "cocodiff"), tmp_path), timeout=600)
+
+
+def test_flux_odd_token_count_is_refused(tmp_path):
+    """36x36 gives 81 image tokens. xfuser 0.7.0 crashed on a misspelled method; calling the real one
+    attends to zero padding (5.6e-4 off one process here), so the workaround is a clear error."""
+    from cocodiff_xfuser.tools.launcher import TorchrunError
+
+    with pytest.raises(TorchrunError, match="81 image tokens are not divisible by the SP degree 2"):
+        _generate_u2(tmp_path, "tiny-flux", 36)
+
+
+def test_qwen_padding_that_would_change_the_image_is_refused(tmp_path):
+    from cocodiff_xfuser.tools.launcher import TorchrunError
+
+    with pytest.raises(TorchrunError, match="81 image tokens are not divisible by the SP degree 2"):
+        _generate_u2(tmp_path, "tiny-qwen-image", 36)
+
+
+def _transformer_with(*processors):
+    import torch
+
+    class Attention(torch.nn.Module):
+        def __init__(self, processor):
+            super().__init__()
+            self.processor = processor
+
+    return torch.nn.Sequential(*(Attention(p) for p in processors))
+
+
+def test_models_whose_exchange_bypasses_usp_fall_back_to_stock():
+    import xfuser.model_executor.layers.usp  # noqa: F401  (a module that imports USP)
+
+    from cocodiff_xfuser import processors
+
+    sana = type("xFuserSanaLinearAttnProcessor2_0", (), {})()
+    assert "SeqAllToAll4D" in processors.unsupported_reason(_transformer_with(sana))
+    assert "no attention processor" in processors.unsupported_reason(_transformer_with(object()))
+    calls_usp = type("xFuserSomeAttnProcessor", (), {"__module__": "xfuser.model_executor.layers.usp"})()
+    assert processors.unsupported_reason(_transformer_with(calls_usp, object())) is None
+
+
+def test_backend_options_reject_unknown_algorithms():
+    from cocodiff_xfuser import backend
+
+    with pytest.raises(ValueError, match="--cocodiff-a2a"):
+        backend.Options(a2a="ring")
+
+
+@pytest.mark.skipif(__import__("shutil").which("mpiexec") is None, reason="mpiexec not installed (apt-get install mpich)")
+def test_mpiexec_launch_matches_stock(tmp_path):
+    """No torchrun: ranks come from the MPI launcher's environment."""
+    import numpy as np
+
+    from cocodiff_xfuser.tools.generate import output_dir
+    from cocodiff_xfuser.tools.launcher import free_port
+    from cocodiff_xfuser.tools.verify import Run
+
+    argv = Run(model="tiny-flux", ulysses_degree=2).argv(("ulysses", "cocodiff"), tmp_path)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stock, ours = (np.load(output_dir(tmp_path, "cocodiff/tiny-flux", b) / "images.npy") for b in ("ulysses", "cocodiff"))
+    assert stock.tobytes() == ours.tobytes()
+
+
+def test_autotune_decisions_are_exported_and_reloaded(tmp_path):
+    """COCODIFF_A2A_DECISIONS: written at exit by one job, loaded by the next (same decisions)."""
+    import json
+
+    from cocodiff_xfuser.tools import launcher
+    from cocodiff_xfuser.tools.verify import Run
+
+    decisions = tmp_path / "a2a.json"
+    argv = Run(model="tiny-flux", ulysses_degree=4, topology="2x2").argv(("cocodiff",), tmp_path / "out")
+    launcher.torchrun(4, argv, env={"COCODIFF_A2A_DECISIONS": str(decisions)}, timeout=600)
+    first = json.loads(decisions.read_text())
+    assert first["topology"] == "2x2" and first["decisions"], first
+    second = launcher.torchrun(4, argv, env={"COCODIFF_A2A_DECISIONS": str(decisions)}, timeout=600)
+    assert "decisions loaded from" in second.stdout + second.stderr
+    assert json.loads(decisions.read_text())["decisions"] == first["decisions"]
+
+
+def test_user_jobs_load_no_tooling():
+    """Importing xfuser's runner with the plugin active loads the plugin, not the tooling (nor
+    matplotlib); the tiny models are registered from the entry point on first lookup only."""
+    code = (
+        "import sys, xfuser.runner as r;"
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('cocodiff_xfuser.')}));"
+        "print('matplotlib' in sys.modules, any(m.startswith('cocodiff_xfuser.tools') for m in sys.modules));"
+        "print(r.MODEL_REGISTRY.get('cocodiff/tiny-flux').__name__)"
+    )
+    result = _python(code)
+    loaded, before, model = result.stdout.strip().splitlines()[-3:]
+    assert "xfuser" in loaded and "tools" not in loaded, result.stderr[-2000:]
+    assert before == "False False"
+    assert model == "TinyFlux"
