@@ -8,6 +8,7 @@ it. This module knows nothing about how it is wired in.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm import faults
 from cocodiff_xfuser.comm import topology as topo
+from cocodiff_xfuser.comm.agreement import agree, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
 from cocodiff_xfuser.comm.flat import AllToAllHandle
 from cocodiff_xfuser.comm.registry import A2A_SETTINGS, Registry
@@ -34,23 +38,29 @@ class Options:
     topology: str | None = None  # NxL[xT], a preset name/path, or None/"auto" to detect
     a2a: str = "auto"  # all-to-all: one of A2A_SETTINGS
     v_first: bool = False
+    timeout_s: float = faults.DEFAULT_TIMEOUT_S  # bound on every exchange and wait (--cocodiff-timeout)
 
     def __post_init__(self) -> None:
         if self.a2a not in A2A_SETTINGS:
             raise ValueError(f"--cocodiff-a2a {self.a2a!r}: expected one of {', '.join(A2A_SETTINGS)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--cocodiff-timeout {self.timeout_s!r}: expected a positive number of seconds")
 
 
 class _Reshaping:
     """A handle over a flattened exchange that gives the result back in the input's shape."""
 
-    def __init__(self, handle: AllToAllHandle, shape: torch.Size) -> None:
-        self._handle, self._shape = handle, shape
+    def __init__(self, backend: CocodiffBackend, handle: AllToAllHandle, shape: torch.Size, label: str) -> None:
+        self._backend, self._handle, self._shape, self.label = backend, handle, shape, label
+        self.done = False
 
     def progress(self) -> bool:
         return self._handle.progress()
 
     def wait(self) -> torch.Tensor:
-        return self._handle.wait().reshape(self._shape)
+        out = self._backend.finish(self._handle, self.label).reshape(self._shape)
+        self.done = True
+        return out
 
 
 class CocodiffBackend:
@@ -61,42 +71,101 @@ class CocodiffBackend:
         self.options = options
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank()
+        faults.configure(options.timeout_s, group)
         # Collective over the world: every rank learns every Ulysses group, resolves the same
         # topology and creates the same sub-groups in the same order.
         groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(groups, dist.get_process_group_ranks(group))
         spec = None if options.topology in (None, "", "auto") else options.topology
         self.topology = topo.resolve(spec, dist.get_world_size())
+        agree(str(self.topology), "the topology (--cocodiff-topology, LOCAL_WORLD_SIZE, hostnames, XPU tiles)")
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
+        self._pending: list[_Reshaping] = []
         self._decisions_file = os.environ.get(DECISIONS_ENV)
-        if self._decisions_file and os.path.exists(self._decisions_file):
-            # Every rank reads the same file, so every rank skips the same measurements.
-            self.exchange.import_json(self._decisions_file)
-            logger.info("cocodiff: all-to-all decisions loaded from %s", self._decisions_file)
+        self._load_decisions()
+
+    def _provenance(self) -> dict:
+        """What decisions are only valid for: the topology, the process-group backend, the world."""
+        return {"topology": str(self.topology), "backend": dist.get_backend(self.group), "world_size": dist.get_world_size()}
+
+    def _load_decisions(self) -> None:
+        if not self._decisions_file:
+            return
+        # Rank 0 reads; every rank takes its contents, so every rank skips the same measurements
+        # even where the file is on storage only some ranks see.
+        data = None
+        if self.rank == 0 and os.path.exists(self._decisions_file):
+            with open(self._decisions_file) as f:
+                data = json.load(f)
+        data = from_first(data)
+        if data is None:
+            return
+        measured_on = {key: data.get(key) for key in self._provenance()}
+        if measured_on != self._provenance():
+            raise ValueError(
+                f"{DECISIONS_ENV}={self._decisions_file} was measured on {measured_on}, this job is "
+                f"{self._provenance()}; remove the file or point {DECISIONS_ENV} elsewhere"
+            )
+        self.exchange.load_dict(data)
+        logger.info("cocodiff: all-to-all decisions loaded from %s", self._decisions_file)
 
     def save_decisions(self) -> None:
         """Rank 0 writes the autotune decisions to ``$COCODIFF_A2A_DECISIONS`` (a cost model reads them)."""
         if self._decisions_file and self.rank == 0:
-            self.exchange.export_json(self._decisions_file)
+            with open(self._decisions_file, "w") as f:
+                json.dump(self.exchange.to_dict() | self._provenance(), f, indent=2)
+
+    def _algorithm(self, x: torch.Tensor, label: str) -> str:
+        if self.exchange.measures(x, self.group):
+            # The autotune's timings must not share the links with exchanges still in flight
+            # (V's, under V-First): complete them first, at the same program point on every rank.
+            for pending in self._pending:
+                if not pending.done:
+                    pending.wait()
+        self._pending = [p for p in self._pending if not p.done]
+        algorithm = self.exchange.choose(x, self.group)
+        commstats.count_exchange(algorithm, label)
+        return algorithm
+
+    def finish(self, handle: AllToAllHandle, label: str) -> torch.Tensor:
+        """``handle.wait()``; a failed or timed-out exchange ends this rank with one line."""
+        try:
+            return handle.wait()
+        except RuntimeError as e:
+            faults.abort(self.rank, label, self.options.timeout_s, e)
 
     # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
     # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
     @torch.compiler.disable
-    def start(self, x: torch.Tensor) -> _Reshaping:
+    def start(self, x: torch.Tensor, label: str) -> _Reshaping:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
-        return _Reshaping(self.exchange.start(x.flatten(), self.group), x.shape)
+        flat = x.flatten()
+        algorithm = self._algorithm(flat, label)
+        try:
+            handle = _Reshaping(self, self.exchange.registry[algorithm].start(flat, self.group), x.shape, label)
+        except RuntimeError as e:
+            faults.abort(self.rank, label, self.options.timeout_s, e)
+        self._pending.append(handle)
+        return handle
 
     @torch.compiler.disable
-    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exchange(x.flatten(), self.group).reshape(x.shape)
+    def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
+        """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
+        flat = x.flatten()
+        algorithm = self._algorithm(flat, label)
+        try:
+            return self.exchange.registry[algorithm].run(flat, self.group).reshape(x.shape)
+        except RuntimeError as e:
+            faults.abort(self.rank, label, self.options.timeout_s, e)
 
     def describe(self) -> str:
         plan = "x".join(map(str, self.levels)) if self.levels else "flat only"
         return (
             f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
-            f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}"
+            f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
+            f"timeout {self.options.timeout_s:g} s"
         )
 
 
@@ -113,7 +182,6 @@ def activate(group: dist.ProcessGroup, options: Options) -> CocodiffBackend:
     if _ACTIVE is not None and _ACTIVE.group is group and _ACTIVE.options == options:
         return _ACTIVE
     _ACTIVE = CocodiffBackend(group, options)
-    atexit.register(_ACTIVE.save_decisions)
     logger.info("cocodiff: %s", _ACTIVE.describe())
     return _ACTIVE
 
@@ -125,3 +193,10 @@ def deactivate() -> None:
 
 def active() -> CocodiffBackend | None:
     return _ACTIVE
+
+
+@atexit.register
+def _save_active_decisions() -> None:
+    # The live backend's decisions, once (a backend replaced during the run wrote nothing).
+    if _ACTIVE is not None:
+        _ACTIVE.save_decisions()

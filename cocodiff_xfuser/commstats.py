@@ -1,6 +1,11 @@
-"""Communication statistics of one process, for benchmarks; off by default (``COCODIFF_COMM_STATS=1``).
+"""What ran in this process (always counted), and communication timings (``COCODIFF_COMM_STATS=1``).
 
-Recorded:
+Always counted, at the cost of a dictionary update per exchange (:func:`ran`): exchanges per
+algorithm (``stock`` when xfuser's own exchange ran) and per label (layer type: ``usp`` for
+exchanges routed from xfuser's ``USP``, ``*.v``, ``qk``, ``out`` for V-First's), V-First
+processor calls, and fall-backs by reason. Tests assert on these that the path under test ran.
+
+Timings, off by default:
 
 * every Ulysses exchange: bytes sent by this rank and the time the caller was blocked in it,
   for stock Ulysses and cocodiff alike (the integration's all-to-all hook times the blocking
@@ -17,7 +22,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,8 +47,56 @@ class _Totals:
     blocked_s: float = 0.0
 
 
+@dataclass
+class _Ran:
+    exchanges: Counter = field(default_factory=Counter)  # algorithm -> count
+    labels: Counter = field(default_factory=Counter)  # label -> count
+    v_first_calls: int = 0
+    fallbacks: Counter = field(default_factory=Counter)  # reason -> count
+
+
 _totals = _Totals()
 _overlap: dict[tuple[str, int], _Overlap] = defaultdict(_Overlap)
+_ran = _Ran()
+
+
+def count_exchange(algorithm: str, label: str) -> None:
+    _ran.exchanges[algorithm] += 1
+    _ran.labels[label] += 1
+
+
+def count_v_first_call() -> None:
+    _ran.v_first_calls += 1
+
+
+def count_fallback(reason: str) -> None:
+    _ran.fallbacks[reason] += 1
+
+
+def ran() -> dict:
+    """This rank's counts since the last :func:`reset_ran`: ``exchanges`` (per algorithm), ``labels``,
+    ``v_first_calls``, ``fallbacks`` (per reason)."""
+    return {
+        "exchanges": dict(_ran.exchanges),
+        "labels": dict(_ran.labels),
+        "v_first_calls": _ran.v_first_calls,
+        "fallbacks": dict(_ran.fallbacks),
+    }
+
+
+def sum_ran(reports: list[dict]) -> dict:
+    """The :func:`ran` reports of several ranks, summed."""
+    total = {"exchanges": Counter(), "labels": Counter(), "v_first_calls": 0, "fallbacks": Counter()}
+    for report in reports:
+        for key in ("exchanges", "labels", "fallbacks"):
+            total[key].update(report[key])
+        total["v_first_calls"] += report["v_first_calls"]
+    return {key: dict(value) if isinstance(value, Counter) else value for key, value in total.items()}
+
+
+def reset_ran() -> None:
+    global _ran
+    _ran = _Ran()
 
 
 def enabled() -> bool:

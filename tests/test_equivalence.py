@@ -1,11 +1,13 @@
 """Every tiny model: stock Ulysses matches one diffusers process; cocodiff matches stock bitwise.
 
 One torchrun job per parallel layout generates every model with both backends (process
-start-up dominates on two cores), then the assertions compare the saved images.
+start-up dominates on two cores), then the assertions compare the saved images and check, from
+what each job counted (``ran``, summed over its ranks), that the path under test really ran.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -56,11 +58,32 @@ def _images(out: Path, model: str, backend: str) -> np.ndarray:
     return np.load(output_dir(out, tiny_models.SPECS[model].model_id, backend) / "images.npy")
 
 
+def _ran(out: Path, model: str, backend: str) -> dict:
+    return json.loads((output_dir(out, tiny_models.SPECS[model].model_id, backend) / "result.json").read_text())["ran"]
+
+
 @pytest.mark.parametrize("variant", BACKENDS[1:])
 @pytest.mark.parametrize("model, layout", CASES)
 def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, variant):
     report = compare(_images(generated[layout], model, "ulysses"), _images(generated[layout], model, variant))
     assert report["bitwise_equal"], report
+    stock, ran = _ran(generated[layout], model, "ulysses"), _ran(generated[layout], model, variant)
+    assert set(stock["exchanges"]) == {"stock"} and stock["v_first_calls"] == 0, stock
+    # The cocodiff path ran: every exchange through the backend, no fall-back of any kind.
+    assert ran["exchanges"] and "stock" not in ran["exchanges"], ran
+    assert ran["fallbacks"] == {}, ran
+    if "--cocodiff_a2a" in LAYOUTS[layout][4]:
+        assert set(ran["exchanges"]) == {"hierarchical"}, ran
+    v_exchanges = sum(n for label, n in ran["labels"].items() if label.endswith(".v"))
+    if variant == "cocodiff+vfirst":
+        # Every V-First call exchanged its V first, and only V-First processors ran attention.
+        assert ran["v_first_calls"] > 0 and v_exchanges == ran["v_first_calls"], ran
+        assert "usp" not in ran["labels"], ran
+    else:
+        assert ran["v_first_calls"] == 0 and v_exchanges == 0, ran
+    if (model, layout) == ("tiny-flux", "u4r1") and variant == "cocodiff+vfirst":
+        # 4 ranks x 4 attention modules (2 double + 2 single blocks) x 4 steps.
+        assert ran["v_first_calls"] == 4 * 4 * 4, ran
 
 
 @pytest.mark.parametrize("model, layout", CASES)

@@ -30,7 +30,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from .. import commstats
 from ..platform import detect
+from . import order
 from .flat import AllToAllHandle
 from .registry import A2A_SETTINGS, ALGORITHMS, Registry
 
@@ -73,6 +75,7 @@ def time_interleaved(
     times = torch.zeros(len(names), reps, dtype=torch.float64)
     for rep in range(warmup + reps):
         for i, name in enumerate(names):
+            order.launched(group, "barrier")
             dist.barrier(group=group)
             detect().synchronize(device)
             t0 = time.perf_counter()
@@ -82,6 +85,7 @@ def time_interleaved(
                 times[i, rep - warmup] = time.perf_counter() - t0
     # The reduction must run on the device the backend serves (NCCL/XCCL need device tensors).
     times = times.to(device)
+    order.launched(group, "all_reduce")
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return {name: times[i].tolist() for i, name in enumerate(names)}
 
@@ -91,7 +95,7 @@ class AutoAllToAll:
 
     ``a2a``: ``"auto"`` (measure the eligible algorithms on first use) or one algorithm, used
     wherever it can run; where it cannot (``hierarchical`` on a group within one level, ``flat-p2p``
-    off gloo), ``flat`` runs and :attr:`fallbacks` counts the reason. The simplest candidate whose
+    off gloo), ``flat`` runs and the fall-back is counted (:func:`cocodiff_xfuser.commstats.ran`). The simplest candidate whose
     time is within ``margin`` (relative) of the fastest one is chosen: on a tie the simpler
     exchange wins.
     """
@@ -109,7 +113,7 @@ class AutoAllToAll:
         self.reps = reps
         self.margin = margin
         self.decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
-        self.fallbacks: dict[str, int] = {}
+        self._warned: set[str] = set()
         self._group_ranks: dict[Any, tuple[int, ...]] = {}
 
     def choose(self, x: torch.Tensor, group: Any = None) -> str:
@@ -122,10 +126,11 @@ class AutoAllToAll:
             reason = self.registry.reason(self.a2a, x, group)
             if reason is None:
                 return self.a2a
-            key = f"{self.a2a}: {reason}"
-            if key not in self.fallbacks:
-                logger.warning("cocodiff: --cocodiff-a2a %s cannot run here (%s); using flat", self.a2a, reason)
-            self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+            key = f"--cocodiff-a2a {self.a2a}: {reason}"
+            if key not in self._warned:
+                self._warned.add(key)
+                logger.warning("cocodiff: %s; using flat", key)
+            commstats.count_fallback(key)
             return "flat"
         candidates = self.registry.eligible(x, group)
         if len(candidates) == 1:
@@ -139,6 +144,13 @@ class AutoAllToAll:
                 list(d.group), d.bucket_bytes, d.algorithm, _ms(d.flat_s), _ms(d.flat_p2p_s), _ms(d.hierarchical_s),
             )
         return self.decisions[key].algorithm
+
+    def measures(self, x: torch.Tensor, group: Any = None) -> bool:
+        """Whether :meth:`choose` will measure (collectively) for ``x`` over ``group``."""
+        group = group if group is not None else dist.group.WORLD
+        if self.a2a != "auto" or len(self.registry.eligible(x, group)) == 1:
+            return False
+        return (self._ranks(group), size_bucket(x.numel() * x.element_size())) not in self.decisions
 
     def start(self, x: torch.Tensor, group: Any = None) -> AllToAllHandle:
         return self.registry[self.choose(x, group)].start(x, group)

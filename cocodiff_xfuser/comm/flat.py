@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
+from . import faults, order
+
 logger = logging.getLogger("cocodiff_xfuser")
 
 # gloo (and NCCL before torch 2.11) reject float8 collectives; the exchange is pure data
@@ -75,6 +77,7 @@ class FlatHandle:
         input_split_sizes: list[int] | None = None,
     ) -> None:
         self._dtype = x.dtype
+        order.launched(group, "all_to_all_single")
         self._out: torch.Tensor = fc.all_to_all_single(comm_view(x), output_split_sizes, input_split_sizes, group)
         self._done = False
 
@@ -179,6 +182,7 @@ def post_receives_first(
         slots = chunk.view(n, -1)
         return [p.reshape(-1) for p in (slots[:k], slots[k + 1 :]) if p.numel()]
 
+    order.launched(group, f"p2p (tag {tag})")
     works = []
     for i in range(1, world):
         src = (me - i) % world
@@ -211,7 +215,7 @@ class Completion:
     def _run(self) -> None:
         try:
             for w in self._works:
-                w.wait()
+                w.wait(faults.timeout())
         except BaseException as e:  # re-raised by wait() in the caller's thread
             self._error = e
         finally:
@@ -236,9 +240,11 @@ class Completion:
             return
         if self._event is None:
             for w in self._works:
-                w.wait()
+                w.wait(faults.timeout())
         else:
-            self._event.wait()
+            # The waiter's own wait is bounded; this one only guards against a lost thread.
+            if not self._event.wait(2 * faults.timeout().total_seconds()):
+                raise faults.ExchangeFailed("the point-to-point waiter did not finish")
             if self._error is not None:
                 raise self._error
         self._waited = True
@@ -248,7 +254,7 @@ class Completion:
 def _drain(works: list[Any], buffers: list[torch.Tensor]) -> None:
     try:
         for w in works:
-            w.wait()
+            w.wait(faults.timeout())
     except BaseException as e:  # nobody is left to raise it to
         logger.warning("an all-to-all that was never waited on failed: %s", e)
 

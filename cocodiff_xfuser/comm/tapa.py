@@ -9,11 +9,11 @@ the destination coordinate by the source coordinate. After the outermost level t
 canonical order, so k levels cost k copies and k exchanges (Tutel's 2DH for k = 2); the
 exchanges of one phase run concurrently on disjoint sub-groups.
 
-Ordering across ranks. Collectives on one process group must be issued in the same order on
-every rank. Handles advance phases on their own (``progress``) depending on local completion,
-which differs between ranks, so a handle only launches its next phase once every handle of the
-same group started before it has launched that phase: per sub-group, launches then follow the
-start order, which is the same on every rank (SPMD).
+Ordering across ranks (the rule is in :mod:`.order`). A handle launches its first phase at
+start and the others in ``wait``; waiting for a handle first launches the pending phases of the
+handles of the same group started before it, so per sub-group launches follow the start order,
+the same on every rank (SPMD). Only on gloo does ``progress`` also launch a phase as soon as the
+previous one completed locally (under the same start-order rule).
 
 In receives-first mode (gloo, see :mod:`.flat`) the hierarchical exchange also sends, at start, the chunks whose
 destination differs from the sender only in the outermost coordinate straight to it (the inner
@@ -32,7 +32,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
-from .flat import DIRECT_TAG, AllToAllHandle, Completion, comm_view, post_receives_first, uses_receives_first, wait_collective
+from . import faults, order
+from .flat import (
+    DIRECT_TAG,
+    AllToAllHandle,
+    Completion,
+    backend_name,
+    comm_view,
+    post_receives_first,
+    uses_receives_first,
+    wait_collective,
+)
 from .topology import Topology, restrict
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -62,9 +72,6 @@ class _BufferPool:
         while len(self._free) > self._max_keys:
             self._free.popitem(last=False)
 
-    def clear(self) -> None:
-        self._free.clear()
-
 
 @dataclass
 class _GroupPlan:
@@ -74,6 +81,7 @@ class _GroupPlan:
     level_groups: list[Any]
     in_flight: list[HierarchicalHandle] = field(default_factory=list)
     index: int = 0  # this rank's position in ``ranks`` (its group rank)
+    level_ranks: list[list[int]] = field(default_factory=list)  # global ranks of this rank's sub-group per level
 
 
 @dataclass
@@ -109,11 +117,18 @@ class HierarchicalHandle:
     """
 
     def __init__(
-        self, x: torch.Tensor, plan: _GroupPlan, pool: _BufferPool, pollable: bool, receives_first: bool = False
+        self,
+        x: torch.Tensor,
+        plan: _GroupPlan,
+        pool: _BufferPool,
+        pollable: bool,
+        receives_first: bool = False,
+        completion_driven: bool = False,
     ) -> None:
         self._plan = plan
         self._pool = pool
         self._pollable = pollable
+        self._completion_driven = completion_driven
         self._p2p = receives_first
         self._shape = x.shape
         self._dtype = x.dtype
@@ -140,6 +155,7 @@ class HierarchicalHandle:
         group = self._plan.level_groups[0]
         out = torch.empty_like(data)  # the final output: the last phase fills the rest
         send, recv = data.view(levels[0], slots, -1), out.view(levels[0], slots, -1)
+        order.launched(group, "p2p direct", role=f"level 0 of {levels}")
         works = []
         if send.shape[2]:
             for i in range(1, levels[0]):
@@ -156,19 +172,23 @@ class HierarchicalHandle:
         return len(self._plan.levels) - 1
 
     def progress(self) -> bool:
-        while self._phase < self._last and self._step(block=False):
-            pass
+        if self._completion_driven:
+            while self._phase < self._last and self._step(block=False):
+                pass
         return self._phase == self._last
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             while self._phase < self._last:
                 self._step(block=True)
-            out = self._pending.wait()
+            out = self._finish_phase()
             self._release(self._pending.held)
             self._pending = None
             if self._direct is not None:
-                self._direct.wait()
+                try:
+                    self._direct.wait()
+                except RuntimeError as e:
+                    raise faults.failed(f"direct sends, sub-group {self._plan.level_ranks[0]}", e) from e
                 self._direct = None
             self._result = out.view(self._dtype).view(self._shape)
         return self._result
@@ -183,12 +203,20 @@ class HierarchicalHandle:
                 earlier._step(block=True)
         if not block and not self._pending.done():
             return False
-        self._data = self._pending.wait()
+        self._data = self._finish_phase()
         self._owned = True
         self._release(self._pending.held)
         self._pending = None
         self._launch_next()
         return True
+
+    def _finish_phase(self) -> torch.Tensor:
+        try:
+            return self._pending.wait()
+        except RuntimeError as e:
+            level = self._last - self._phase
+            where = f"phase {self._phase + 1} of {self._last + 1}, sub-group {self._plan.level_ranks[level]}"
+            raise faults.failed(where, e) from e
 
     def _launch_next(self) -> None:
         self._phase += 1
@@ -196,21 +224,22 @@ class HierarchicalHandle:
         level = self._last - self._phase
         data, held = self._data, []
         if self._order[0] != level:
-            order = [level] + [d for d in range(len(levels)) if d != level]
+            dims = [level] + [d for d in range(len(levels)) if d != level]
             buf = self._pool.acquire(data.numel(), data.dtype, data.device)
             # copy_ into a preallocated buffer: transpose().contiguous() measured ~10x slower (bf16).
-            buf.view([levels[d] for d in order] + [self._chunk]).copy_(
+            buf.view([levels[d] for d in dims] + [self._chunk]).copy_(
                 data.view([levels[d] for d in self._order] + [self._chunk]).permute(
-                    [self._order.index(d) for d in order] + [len(levels)]
+                    [self._order.index(d) for d in dims] + [len(levels)]
                 )
             )
             if self._owned:
                 self._pool.release(data)
-            data, self._order, self._owned = buf, order, True
+            data, self._order, self._owned = buf, dims, True
         if self._owned:
             held.append(data)
         group = self._plan.level_groups[level]
         last = self._phase == self._last
+        order.launched(group, f"phase {self._phase + 1}", role=f"level {level} of {levels}")
         if self._p2p:
             if last:  # the direct chunks are already on their way into the final output
                 out, skip = self._final_out, self._slot
@@ -269,17 +298,20 @@ class HierarchicalAllToAll:
             if len(levels) < 2:
                 continue
             grid = torch.arange(len(ranks)).view(levels)
-            level_groups = []
+            level_groups, level_ranks = [], []
             for j in range(len(levels)):
                 mine = None
                 for members in grid.movedim(j, -1).reshape(-1, levels[j]).tolist():
                     sub = [ranks[i] for i in members]
-                    pg = dist.new_group(sub)
+                    pg = dist.new_group(sub, timeout=faults.timeout())
                     if rank in sub:
                         mine = pg
+                        level_ranks.append(sub)
                 level_groups.append(mine)
             if rank in ranks:
-                self._plans[ranks] = _GroupPlan(ranks, tuple(levels), level_groups, index=ranks.index(rank))
+                self._plans[ranks] = _GroupPlan(
+                    ranks, tuple(levels), level_groups, index=ranks.index(rank), level_ranks=level_ranks
+                )
                 logger.info("hierarchical all-to-all for group %s: levels %s", list(ranks), levels)
 
     def levels(self, group: Any = None) -> tuple[int, ...]:
@@ -318,7 +350,8 @@ class HierarchicalAllToAll:
         if receives_first is None:
             receives_first = uses_receives_first(group, x.device)
         p2p = bool(receives_first) and not torch.compiler.is_compiling()
-        return HierarchicalHandle(x, self._plan(group), self._pool, pollable, p2p)
+        completion_driven = order.completion_driven(backend_name(group, x.device))
+        return HierarchicalHandle(x, self._plan(group), self._pool, pollable, p2p, completion_driven)
 
     def __call__(self, x: torch.Tensor, group: Any = None, *, receives_first: bool | None = None) -> torch.Tensor:
         """Blocking exchange, same output as ``flat_all_to_all``."""

@@ -17,7 +17,7 @@ class FluxVFirstProcessor:
         self.stock = stock if stock is not None else xFuserFluxAttnProcessor()
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        if ulysses.fallback_reason(lambda: compat.fused_qk_kernel_reason("flux")) is not None:
+        if ulysses.fallback_reason(self, lambda: compat.fused_qk_kernel_reason("flux"), (hidden_states, encoder_hidden_states)) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         from diffusers.models.embeddings import apply_rotary_emb
 

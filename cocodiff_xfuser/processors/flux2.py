@@ -25,7 +25,7 @@ class Flux2VFirstProcessor:
                 return "FLUX.2 joint attention without a text stream"
             return compat.fused_qk_kernel_reason("flux2")
 
-        if ulysses.fallback_reason(unsupported) is not None:
+        if ulysses.fallback_reason(self, unsupported, (hidden_states, encoder_hidden_states)) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         from diffusers.models.embeddings import apply_rotary_emb
 
@@ -73,7 +73,7 @@ class Flux2SingleVFirstProcessor:
         self.stock = stock if stock is not None else xFuserFlux2ParallelSelfAttnProcessor()
 
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None, **kwargs):
-        if ulysses.fallback_reason(lambda: compat.fused_qk_kernel_reason("flux2")) is not None:
+        if ulysses.fallback_reason(self, lambda: compat.fused_qk_kernel_reason("flux2"), (hidden_states,)) is not None:
             return self.stock(attn, hidden_states, attention_mask, image_rotary_emb, **kwargs)
         from diffusers.models.embeddings import apply_rotary_emb
 

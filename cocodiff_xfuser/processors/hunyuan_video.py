@@ -36,7 +36,7 @@ class HunyuanVideoVFirstProcessor:
                 return "pipeline parallelism"
             return None
 
-        if ulysses.fallback_reason(unsupported) is not None:
+        if ulysses.fallback_reason(self, unsupported, (hidden_states, encoder_hidden_states)) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, *args, **kwargs)
         from diffusers.models.embeddings import apply_rotary_emb
 

@@ -49,7 +49,9 @@ class PixArtVFirstProcessor:
         **kwargs,
     ):
         reason = ulysses.fallback_reason(
-            lambda: self._unsupported(attn, hidden_states, encoder_hidden_states, attention_mask)
+            self,
+            lambda: self._unsupported(attn, hidden_states, encoder_hidden_states, attention_mask),
+            (hidden_states, encoder_hidden_states),
         )
         if reason is not None:
             return self.stock(

@@ -28,7 +28,7 @@ class QwenImageVFirstProcessor:
         attention_mask=None,
         image_rotary_emb=None,
     ):
-        if ulysses.fallback_reason(lambda: compat.fused_qk_kernel_reason("qwen")) is not None:
+        if ulysses.fallback_reason(self, lambda: compat.fused_qk_kernel_reason("qwen"), (hidden_states, encoder_hidden_states)) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask, image_rotary_emb)
         from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 

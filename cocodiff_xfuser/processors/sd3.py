@@ -55,7 +55,9 @@ class SD3VFirstProcessor:
         return None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        if ulysses.fallback_reason(lambda: self._unsupported(hidden_states, encoder_hidden_states)) is not None:
+        if ulysses.fallback_reason(
+            self, lambda: self._unsupported(hidden_states, encoder_hidden_states), (hidden_states, encoder_hidden_states)
+        ) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         if encoder_hidden_states is None:
             return _image_only_v_first(attn, hidden_states)

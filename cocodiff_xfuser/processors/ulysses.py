@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from cocodiff_xfuser import backend, commstats
+from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.platform import detect
 from cocodiff_xfuser.xfuser import compat
 
@@ -38,7 +39,7 @@ class PendingExchange:
         self._nbytes = stacked.numel() * stacked.element_size()
         self._calibration = commstats.calibrating(label, self._nbytes)
         self._started = time.perf_counter()
-        self._handle = backend.active().start(stacked)
+        self._handle = backend.active().start(stacked, label)
         self._exchanged = self._handle.wait() if self._calibration else None
 
     def progress(self) -> None:
@@ -120,7 +121,7 @@ def output_exchange(out: torch.Tensor) -> torch.Tensor:
     active = backend.active()
     world = active.world_size
     b, h, s, d = out.shape
-    exchanged = commstats.timed_exchange(active.all_to_all, out.permute(2, 0, 1, 3).contiguous())
+    exchanged = commstats.timed_exchange(lambda t: active.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
     return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)
 
 
@@ -133,14 +134,48 @@ def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
     return None
 
 
-def fallback_reason(extra: Callable[[], str | None] | None = None) -> str | None:
-    """Why this call must take the stock path (None: V-First applies). Logged once per reason."""
-    from xfuser.core.distributed import get_runtime_state, get_ulysses_parallel_world_size
+def fallback_reason(
+    processor: object, extra: Callable[[], str | None] | None = None, inputs: Sequence[torch.Tensor | None] = ()
+) -> str | None:
+    """Why this call of ``processor`` must take the stock path (None: V-First applies), agreed.
+
+    The reasons depend on settings, module attributes and input shapes, which SPMD code shares;
+    the first call of a processor with given input shapes and local reason checks it with one
+    small all-reduce over the Ulysses group (any rank's fall-back is everyone's), later ones reuse
+    the answer. Counted (``commstats.ran()``) and logged once per reason.
+    """
+    from xfuser.core.distributed import get_ulysses_parallel_world_size
+
+    active = backend.active()
+    if active is None or get_ulysses_parallel_world_size() == 1:
+        return _counted("no Ulysses exchange")
+    local = _local_reason(extra)
+    # Kept on the processor: (input shapes, local reason) -> the agreed reason (None: V-First runs).
+    agreed = processor.__dict__.setdefault("_cocodiff_agreed", {})
+    key = (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs), local)
+    if key not in agreed:
+        device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
+        anyone = any_rank(local is not None, active.group, device)
+        agreed[key] = local if local is not None or not anyone else "a fall-back on another rank"
+    return _counted(agreed[key])
+
+
+def _counted(reason: str | None) -> str | None:
+    if reason is None:
+        commstats.count_v_first_call()
+        return None
+    commstats.count_fallback(f"v-first: {reason}")
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("cocodiff: V-First off for %s; using the stock processor", reason)
+    return reason
+
+
+def _local_reason(extra: Callable[[], str | None] | None) -> str | None:
+    from xfuser.core.distributed import get_runtime_state
 
     state = get_runtime_state()
     reason = None
-    if backend.active() is None or get_ulysses_parallel_world_size() == 1:
-        return "no Ulysses exchange"
     if state.fp8_comms is not None:
         reason = "fp8 communication"
     elif state.runtime_config.use_spargeattn_head_balance:
@@ -149,9 +184,6 @@ def fallback_reason(extra: Callable[[], str | None] | None = None) -> str | None
         reason = "PipeFusion"
     elif extra is not None:
         reason = extra()
-    if reason is not None and reason not in _warned:
-        _warned.add(reason)
-        logger.warning("cocodiff: V-First off for %s; using the stock processor", reason)
     return reason
 
 

@@ -52,7 +52,7 @@ class WanVFirstProcessor:
         if (
             not self.accepts(stock)
             or encoder_hidden_states is not None
-            or ulysses.fallback_reason(lambda: self._unsupported(attn, rotary_emb)) is not None
+            or ulysses.fallback_reason(self, lambda: self._unsupported(attn, rotary_emb), (hidden_states,)) is not None
         ):
             return stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 

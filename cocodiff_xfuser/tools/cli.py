@@ -7,6 +7,7 @@ import logging
 import sys
 
 from cocodiff_xfuser.tools import demo, verify
+from cocodiff_xfuser.tools.launcher import TorchrunError
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
@@ -57,16 +58,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; bad input is one line on stderr and exit status 2 (no traceback)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args, extra = _parser().parse_known_args(argv)
-    if args.command == "verify":
-        return verify.main(args, extra)
-    if args.command == "demo":
-        return demo.main(args)
-    if args.command == "bench" and args.kind == "a2a":
-        return bench_a2a.run_cli(args)
-    if args.command == "bench" and args.kind == "e2e":
-        return bench_e2e.run_cli(args)
+    name = " ".join(filter(None, ("cocodiff", args.command, getattr(args, "kind", None))))
+    try:
+        if args.command == "verify":
+            return verify.main(args, extra)
+        if args.command == "demo":
+            return demo.main(args)
+        if args.command == "bench" and args.kind == "a2a":
+            return bench_a2a.run_cli(args)
+        if args.command == "bench" and args.kind == "e2e":
+            return bench_e2e.run_cli(args)
+    except ValueError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    except TorchrunError as e:
+        print(f"{name}: the job failed: {e.first_line()}", file=sys.stderr)
+        return 1
     raise AssertionError(args.command)
 
 

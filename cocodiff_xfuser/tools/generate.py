@@ -5,7 +5,10 @@ runs the pipeline with the flags a user would give ``xdit`` (``--model`` may lis
 comma-separated), once per model and backend (one
 process start for all of them: start-up dominates on small machines), and on the last rank
 (the one xfuser saves from) writes ``DIR/<model>/<backend>/images.npy`` (float images in
-[0, 1]) and ``result.json``. ``verify``, ``demo``, the benchmarks and the tests read these.
+[0, 1]) and ``result.json``, with what ran summed over the ranks (``ran``: exchanges per
+algorithm and label, V-First calls, fall-backs) and, under ``COCODIFF_ORDER_AUDIT=1``, every
+rank's collective launches (``launches``). ``verify``, ``demo``, the benchmarks and the tests
+read these.
 """
 
 from __future__ import annotations
@@ -56,10 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [b for b in backends if b not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown backend variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+    from cocodiff_xfuser import commstats
+    from cocodiff_xfuser.comm import order
+
     runner = None
     for model in models:
         for backend in backends:
             args = {**base, "model": model, **VARIANTS[backend]}
+            commstats.reset_ran()
+            launched_before = len(order.launches())
             runner = xFuserModelRunner(args)
             input_args = runner.preprocess_args(args)
             input_args["output_type"] = "np"
@@ -68,8 +76,11 @@ def main(argv: list[str] | None = None) -> None:
             comm = None
             if mine.repeat:
                 output, timings, comm = _timed_runs(runner, input_args, mine.repeat, mine.sync_dir)
+            ran = commstats.sum_ran(_gather(commstats.ran()))
+            launches = _gather(order.launches()[launched_before:])
             if is_last_process():
-                _save(output_dir(mine.out, model, backend), output, timings, input_args, comm, mine.save_png)
+                path = output_dir(mine.out, model, backend)
+                _save(path, output, timings, input_args, comm, mine.save_png, ran, launches if order.auditing() else None)
     if runner is not None:
         runner.cleanup()
 
@@ -97,6 +108,15 @@ def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None):
     return output, timings, comm
 
 
+def _gather(value) -> list:
+    """``value`` of every rank, in rank order (collective over the world)."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def _handshake(sync_dir: Path | None, name: str, timeout_s: float = 300.0) -> None:
     """All ranks stop; rank 0 announces ``name`` and waits for ``name.go`` (a driver measuring around us)."""
     import time
@@ -114,7 +134,9 @@ def _handshake(sync_dir: Path | None, name: str, timeout_s: float = 300.0) -> No
     dist.barrier()
 
 
-def _save(out: Path, output, timings: list, args: dict, comm: dict | None, save_png: bool) -> None:
+def _save(
+    out: Path, output, timings: list, args: dict, comm: dict | None, save_png: bool, ran: dict, launches: list | None
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     images = np.stack([np.asarray(image) for image in output.images])
     np.save(out / "images.npy", images)
@@ -132,6 +154,8 @@ def _save(out: Path, output, timings: list, args: dict, comm: dict | None, save_
         "timings": timings,
         "steps": args.get("num_inference_steps"),
         "comm": comm,
+        "ran": ran,
+        "launches": launches,
     }
     (out / "result.json").write_text(json.dumps(result))
 

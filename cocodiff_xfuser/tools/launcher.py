@@ -17,6 +17,14 @@ class TorchrunError(RuntimeError):
         super().__init__(message)
         self.result = result
 
+    def first_line(self) -> str:
+        """The job's own error in one line: a ``cocodiff:`` line, else the last exception line."""
+        lines = [line.split("]: ", 1)[-1].strip() for line in (self.result.stderr or "").splitlines()]
+        ours = [line for line in lines if line.startswith("cocodiff")]
+        raised = [line for line in lines if "Error: " in line and not line.startswith("torch.distributed.elastic")]
+        found = ours or raised
+        return found[-1] if found else str(self).splitlines()[0]
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     # Another process may take the port before torchrun binds it; rare enough on one machine.

@@ -47,6 +47,9 @@ class Run:
         if self.ulysses_degree < 1 or self.ring_degree < 1:
             raise ValueError("--ulysses-degree and --ring-degree must be >= 1")
         tiny_models.check_heads(self.model, self.ulysses_degree)
+        for name, value in (("--steps", self.steps), ("--size/--height", self.height), ("--width", self.width)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.topology is not None:
             Topology.parse(self.topology).validate(self.world_size)
 
@@ -112,16 +115,20 @@ def verify(run: Run, timeout: float = TIMEOUT_S, workdir: Path | None = None) ->
         "seconds_stock": stock["seconds"],
         "seconds_cocodiff": ours["seconds"],
         "image_shape": list(stock["images"].shape),
+        # What ran, summed over the ranks: proof that the cocodiff path under test ran.
+        "ran": {"ulysses": stock["ran"], "cocodiff": ours["ran"]},
     }
 
 
 def format_report(report: dict) -> str:
+    ran = report["ran"]["cocodiff"]
     verdict = "BITWISE EQUAL" if report["bitwise_equal"] else f"DIFFERENT (max abs diff {report['max_abs_diff']:.3g})"
     return (
         f"{report['model']}: ulysses {report['ulysses_degree']} x ring {report['ring_degree']}"
         f" (topology {report['topology'] or 'detected'}), images {report['image_shape']}\n"
         f"  {REFERENCE}: {report['seconds_stock']:.3f} s   cocodiff: {report['seconds_cocodiff']:.3f} s\n"
-        f"  cocodiff vs {REFERENCE}: {verdict}"
+        f"  cocodiff vs {REFERENCE}: {verdict}\n"
+        f"  cocodiff ran: exchanges {ran['exchanges']}, V-First calls {ran['v_first_calls']}, fall-backs {ran['fallbacks'] or 'none'}"
     )
 
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import sys
 import types
+from typing import NoReturn
 
 from cocodiff_xfuser import backend, commstats
+from cocodiff_xfuser.comm import faults
+from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import compat
 from cocodiff_xfuser.xfuser.flags import BACKEND_ENV, SP_BACKENDS
 
@@ -30,20 +34,36 @@ def _activating_backend(original):
             # xfuser 0.7.0 builds SP groups that do not line up with yunchang's Ulysses groups
             # under tensor parallelism.
             logger.warning("cocodiff: tensor parallelism is not supported; falling back to stock Ulysses")
+            commstats.count_fallback("model: tensor parallelism")
             backend.deactivate()
         elif name == "cocodiff":
             from xfuser.core.distributed import get_sp_group
 
-            options = backend.Options(
-                topology=getattr(config, "cocodiff_topology", None),
-                a2a=getattr(config, "cocodiff_a2a", None) or "auto",
-                v_first=bool(getattr(config, "cocodiff_v_first", False)),
-            )
-            backend.activate(get_sp_group().ulysses_group, options)
+            timeout = getattr(config, "cocodiff_timeout", None)
+            try:
+                options = backend.Options(
+                    topology=getattr(config, "cocodiff_topology", None),
+                    a2a=getattr(config, "cocodiff_a2a", None) or "auto",
+                    v_first=bool(getattr(config, "cocodiff_v_first", False)),
+                    timeout_s=float(timeout) if timeout is not None else faults.default_timeout_s(),
+                )
+                backend.activate(get_sp_group().ulysses_group, options)
+            except (ValueError, Disagreement) as e:
+                _user_error(str(e))
         else:
             backend.deactivate()
 
     return _check_distributed_env
+
+
+def _user_error(message: str) -> NoReturn:
+    """A user's mistake, found alike on every rank: one line from rank 0, then every rank exits with 2."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message if message.startswith("cocodiff") else f"cocodiff: {message}", file=sys.stderr, flush=True)
+    # No tracebacks, and no clean-up that could wait on ranks that already left.
+    os._exit(2)
 
 
 def patch_runtime_state(rs: types.ModuleType) -> None:
@@ -53,7 +73,10 @@ def patch_runtime_state(rs: types.ModuleType) -> None:
 def _routed_all_to_all(original):
     def _sdpa_all_to_all_single(x):
         active = backend.active()
-        return commstats.timed_exchange(original if active is None else active.all_to_all, x)
+        if active is None:
+            commstats.count_exchange("stock", "usp")
+            return commstats.timed_exchange(original, x)
+        return commstats.timed_exchange(active.all_to_all, x)
 
     return _sdpa_all_to_all_single
 
@@ -77,6 +100,7 @@ def _adapting_model_after(original, get_transformers):
         reason = next(filter(None, map(processors.unsupported_reason, transformers)), None)
         if reason is not None:
             logger.warning("cocodiff: %s; falling back to stock Ulysses", reason)
+            commstats.count_fallback(f"model: {reason}")
             backend.deactivate()
         elif active.options.v_first:
             for transformer in transformers:

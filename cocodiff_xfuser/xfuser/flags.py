@@ -7,6 +7,7 @@ import os
 import sys
 import types
 
+from cocodiff_xfuser.comm import faults
 from cocodiff_xfuser.comm.registry import A2A_SETTINGS
 from cocodiff_xfuser.xfuser import compat
 
@@ -26,7 +27,6 @@ def cocodiff_requested(argv: list[str] | None = None) -> bool:
     return False
 
 
-
 def _add_backend_args(parser) -> None:
     group = parser.add_argument_group("cocodiff-xfuser")
     default = os.environ.get(BACKEND_ENV, "ulysses").strip().lower() or "ulysses"
@@ -43,7 +43,7 @@ def _add_backend_args(parser) -> None:
         "--cocodiff_topology",
         "--cocodiff-topology",
         default=None,
-        help="cocodiff: hardware levels as NxL[xT] (nodes x ranks per node [x tiles]), a preset in configs/ "
+        help="cocodiff: hardware levels as NxL[xT] (nodes x ranks per node [x tiles]), a preset "
         "(aurora, dgx-h100) or 'auto' (detected from hostnames and LOCAL_WORLD_SIZE; the default).",
     )
     group.add_argument(
@@ -59,9 +59,18 @@ def _add_backend_args(parser) -> None:
         action="store_true",
         help="cocodiff: V-First attention processors (V's exchange overlaps Q/K projection, norm and RoPE).",
     )
+    group.add_argument(
+        "--cocodiff_timeout",
+        "--cocodiff-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"cocodiff: bound on every exchange; a stalled or dead peer ends the job with one line "
+        f"(default ${faults.TIMEOUT_ENV}, else {faults.DEFAULT_TIMEOUT_S:g}).",
+    )
 
 
-BACKEND_KEYS = ("sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first")
+BACKEND_KEYS = ("sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first", "cocodiff_timeout")
 
 
 def patch_args(args_module: types.ModuleType) -> None:

@@ -29,10 +29,10 @@ def patch_transformer_flux(module: types.ModuleType) -> None:
         return
 
     def _pad_to_sp_divisible(self, tensor, padding_length: int, dim: int):
-        from xfuser.core.distributed import get_sequence_parallel_world_size
-
         if not _on():  # stock: the misspelled method does not exist
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pad_to_sp_divisible'")
+        from xfuser.core.distributed import get_sequence_parallel_world_size
+
         raise ValueError(
             f"FLUX under sequence parallelism: {tensor.shape[dim]} image tokens are not divisible by the SP degree "
             f"{get_sequence_parallel_world_size()}; xfuser 0.7.0 would attend to its zero padding and change the "
@@ -66,18 +66,23 @@ def patch_transformer_qwen(module: types.ModuleType) -> None:
 
     def make(original):
         def forward(self, hidden_states, encoder_hidden_states=None, *args, **kwargs):
-            from xfuser.core.distributed import get_sequence_parallel_world_size
-
-            sp = get_sequence_parallel_world_size() if _on() else 1
-            for stream, tensor in (("image", hidden_states), ("text", encoder_hidden_states)):
-                if sp > 1 and tensor is not None and tensor.shape[1] % sp:
-                    raise ValueError(
-                        f"Qwen-Image under sequence parallelism: {tensor.shape[1]} {stream} tokens are not divisible "
-                        f"by the SP degree {sp}; xfuser 0.7.0 would attend to its zero padding and change the image. "
-                        f"Choose a resolution / max_sequence_length divisible by {sp}."
-                    )
+            if _on():
+                _refuse_padding(hidden_states, encoder_hidden_states)
             return original(self, hidden_states, encoder_hidden_states, *args, **kwargs)
 
         return forward
 
     compat.wrap(cls, "forward", make)
+
+
+def _refuse_padding(hidden_states, encoder_hidden_states) -> None:
+    from xfuser.core.distributed import get_sequence_parallel_world_size
+
+    sp = get_sequence_parallel_world_size()
+    for stream, tensor in (("image", hidden_states), ("text", encoder_hidden_states)):
+        if sp > 1 and tensor is not None and tensor.shape[1] % sp:
+            raise ValueError(
+                f"Qwen-Image under sequence parallelism: {tensor.shape[1]} {stream} tokens are not divisible "
+                f"by the SP degree {sp}; xfuser 0.7.0 would attend to its zero padding and change the image. "
+                f"Choose a resolution / max_sequence_length divisible by {sp}."
+            )

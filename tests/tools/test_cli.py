@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cocodiff_xfuser.tools import cli, launcher
+from cocodiff_xfuser.tools import cli, launcher, verify
 from cocodiff_xfuser.tools.verify import Run
 
 
@@ -27,6 +27,18 @@ def test_verify_json_reports_bitwise_equality():
         assert key in report
     assert report["bitwise_equal"] is True and report["max_abs_diff"] == 0.0
     assert report["reference"] == "stock-ulysses" and report["topology"] == "2x2"
+
+
+def test_verify_reports_what_ran_with_v_first():
+    result = _cocodiff("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "2x2", "--v-first",
+                       "--json", "--cocodiff-a2a", "hierarchical")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bitwise_equal"] is True
+    stock, ours = report["ran"]["ulysses"], report["ran"]["cocodiff"]
+    assert set(stock["exchanges"]) == {"stock"} and stock["v_first_calls"] == 0
+    assert set(ours["exchanges"]) == {"hierarchical"} and ours["fallbacks"] == {}
+    assert ours["v_first_calls"] == 4 * 4 * 4  # ranks x attention modules x steps
 
 
 def test_demo_prints_the_table_and_saves_both_images(tmp_path):
@@ -49,9 +61,24 @@ def test_demo_prints_the_table_and_saves_both_images(tmp_path):
 def test_bad_input_fails_before_launching(run, message, monkeypatch):
     monkeypatch.setattr(launcher, "torchrun", lambda *a, **k: pytest.fail("launched despite bad input"))
     with pytest.raises(ValueError, match=message):
-        run.check()
+        verify.verify(run)
 
 
 def test_unknown_model_is_rejected_by_the_cli():
     with pytest.raises(SystemExit):
         cli.main(["verify", "--model", "nope", "--ulysses-degree", "2"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("verify", "--model", "tiny-flux", "--ulysses-degree", "3"), "not divisible by ulysses degree 3"),
+        (("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "3x2"), "world size"),
+        (("demo", "--size", "0"), "size"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = _cocodiff(*args, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("cocodiff"), result.stderr[-2000:]

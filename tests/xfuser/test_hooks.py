@@ -239,3 +239,32 @@ def test_user_jobs_load_no_tooling():
     assert "xfuser" in loaded and "tools" not in loaded, result.stderr[-2000:]
     assert before == "False False"
     assert model == "TinyFlux"
+
+
+def test_decisions_measured_elsewhere_are_refused_once(tmp_path):
+    """A decisions file from another topology is refused: one line, from rank 0 only, exit 2."""
+    import json
+
+    from cocodiff_xfuser.tools import launcher
+    from cocodiff_xfuser.tools.verify import Run
+
+    decisions = tmp_path / "a2a.json"
+    decisions.write_text(json.dumps({"version": 1, "topology": "4x1", "backend": "gloo", "world_size": 4, "decisions": []}))
+    argv = Run(model="tiny-flux", ulysses_degree=4, topology="2x2").argv(("cocodiff",), tmp_path / "out")
+    with pytest.raises(launcher.TorchrunError) as failed:
+        launcher.torchrun(4, argv, env={"COCODIFF_A2A_DECISIONS": str(decisions)}, timeout=600)
+    output = failed.value.result.stdout + failed.value.result.stderr
+    assert output.count("was measured on") == 1, output[-3000:]
+    assert "Traceback" not in output.split("torch.distributed.elastic")[0], output[-3000:]
+
+
+def test_xdit_user_error_is_printed_once(tmp_path):
+    xdit = os.path.join(os.path.dirname(sys.executable), "xdit")
+    result = subprocess.run(
+        [xdit, "--model", "cocodiff/tiny-flux", "--ulysses_degree", "2", "--sp-backend", "cocodiff",
+         "--cocodiff-topology", "3x3", "--prompt", "a cat"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("cocodiff: topology 3x3") == 1, output[-3000:]

@@ -55,6 +55,7 @@ from cocodiff_xfuser.comm.registry import Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.comm.topology import Topology, resolve
 from cocodiff_xfuser.tools import same_bits
+from cocodiff_xfuser.tools.bench import one_at_a_time
 
 DEFAULT_SIZES_MIB = (4, 8, 16)
 DEFAULT_REPS = 9
@@ -387,24 +388,25 @@ def bench_a2a(
     }
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
-    fab = None
-    drops = None
-    if fabric:
-        fab = Fabric(fabric, nodes, local, fabric_id=fabric_id or f"a{os.getpid() % 100000}")
-        with fab:
-            r = fab.run([sys.executable, *argv], timeout=timeout, capture_output=True, text=True, extra_env=env)
-            stats = fab.qdisc_stats()
-        if r.returncode != 0:
-            raise RuntimeError(
-                f"benchmark on fabric {fabric} {nodes}x{local} failed (exit {r.returncode}):\n"
-                f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
-            )
-        stdout = r.stdout
-        drops = sum(s["dropped"] for s in stats)
-    else:
-        from cocodiff_xfuser.tools.launcher import torchrun
+    with one_at_a_time():
+        fab = None
+        drops = None
+        if fabric:
+            fab = Fabric(fabric, nodes, local, fabric_id=fabric_id or f"a{os.getpid() % 100000}")
+            with fab:
+                r = fab.run([sys.executable, *argv], timeout=timeout, capture_output=True, text=True, extra_env=env)
+                stats = fab.qdisc_stats()
+            if r.returncode != 0:
+                raise RuntimeError(
+                    f"benchmark on fabric {fabric} {nodes}x{local} failed (exit {r.returncode}):\n"
+                    f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
+                )
+            stdout = r.stdout
+            drops = sum(s["dropped"] for s in stats)
+        else:
+            from cocodiff_xfuser.tools.launcher import torchrun
 
-        stdout = torchrun(nodes * local, argv, env=env, timeout=timeout).stdout
+            stdout = torchrun(nodes * local, argv, env=env, timeout=timeout).stdout
     report = _extract_json(stdout)
     top_size = int(max(sizes) * 2**20)
     report = {
@@ -470,7 +472,10 @@ def run_cli(args: argparse.Namespace) -> int:
             timeout=float(getattr(args, "timeout", None) or TIMEOUT_S),
             echo="stderr" if as_json else True,
         )
-    except (RuntimeError, ValueError) as e:
+    except ValueError as e:  # bad input, or another benchmark running
+        print(f"cocodiff bench a2a: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
         print(f"cocodiff bench a2a: {e}", file=sys.stderr)
         return 1
     if as_json:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import tempfile
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cocodiff_xfuser.tools.bench import one_at_a_time
 from cocodiff_xfuser.tools.bench.a2a import topology_for
 from cocodiff_xfuser.tools.fabric import Fabric
 from cocodiff_xfuser.tools.generate import output_dir
@@ -89,13 +91,13 @@ def bench_e2e(
     params: dict | None = None,
     timeout: float = TIMEOUT_S,
 ) -> dict:
-    fabric = Fabric(fabric_name, nodes, local, params=params)
+    fabric = Fabric(fabric_name, nodes, local, params=params, fabric_id=f"e{os.getpid() % 100000}")
     topology = topology_for(fabric_name, nodes, local)
     run = Run(model=model, ulysses_degree=fabric.world, topology=topology, steps=steps, height=size, width=size)
     run.check()
     tiny_models.ensure_fixture(model)
     reports = {}
-    with fabric, tempfile.TemporaryDirectory() as tmp:
+    with one_at_a_time(), fabric, tempfile.TemporaryDirectory() as tmp:
         for name, variant in CONFIGS.items():
             print(f"  {name} ...", file=sys.stderr, flush=True)
             reports[name] = _run_config(fabric, run, variant, repeat, Path(tmp) / name, timeout)

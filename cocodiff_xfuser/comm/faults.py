@@ -1,0 +1,79 @@
+"""Faults end the job: every exchange is bounded in time, and a failed one ends its rank with one line.
+
+Without a bound, a rank that stalls (a stopped process, a lost link) leaves its peers waiting in
+a collective for the process group's default timeout (30 minutes for gloo) or for ever. The
+cocodiff groups get ``--cocodiff-timeout`` seconds (``COCODIFF_TIMEOUT``; default
+:data:`DEFAULT_TIMEOUT_S`); when an exchange times out or a peer dies, the rank prints one line
+that names itself, the exchange (layer label, phase, sub-group) and the timeout, and exits with
+:data:`EXIT_CODE`, which makes the launcher (torchrun, mpiexec) end the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+
+TIMEOUT_ENV = "COCODIFF_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+EXIT_CODE = 3
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+
+class ExchangeFailed(RuntimeError):
+    """An exchange did not complete: its phase and sub-group, and the backend's own error."""
+
+
+def default_timeout_s() -> float:
+    """``$COCODIFF_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected seconds") from None
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+_timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def configure(timeout_s: float, group: Any) -> None:
+    """Bound every wait of this process, and every collective on ``group`` and the world (xfuser's
+    groups: a rank stalled outside an exchange must not leave its peers waiting for 30 minutes)."""
+    global _timeout
+    _timeout = timedelta(seconds=timeout_s)
+    # torch has no public setter for an existing group; groups cocodiff creates get the timeout
+    # at creation (``dist.new_group(timeout=timeout())``).
+    for pg in (group, dist.group.WORLD):
+        dist.distributed_c10d._set_pg_timeout(_timeout, pg)
+
+
+def timeout() -> timedelta:
+    """The bound on every wait (``work.wait(timeout())``) and on the sub-groups cocodiff creates."""
+    return _timeout
+
+
+def failed(where: str, error: BaseException) -> ExchangeFailed:
+    """``error`` (the backend's) as an :class:`ExchangeFailed` that says ``where`` it happened."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ExchangeFailed(f"{where}: {first}")
+
+
+def abort(rank: int, label: str, timeout_s: float, error: BaseException) -> NoReturn:
+    """End this rank: one line naming it, the exchange and the timeout, then exit with :data:`EXIT_CODE`."""
+    detail = error if isinstance(error, ExchangeFailed) else failed("group", error)
+    line = (
+        f"cocodiff: rank {rank}: exchange '{label}' did not complete ({detail}); "
+        f"timeout {timeout_s:g} s (--cocodiff-timeout / ${TIMEOUT_ENV}); ending the job"
+    )
+    print(line, file=sys.stderr, flush=True)
+    logging.shutdown()
+    # A normal exit would run destructors that wait on the failed collectives again.
+    os._exit(EXIT_CODE)

@@ -1,0 +1,69 @@
+"""Faults end the job: a stalled (SIGSTOP) or killed (SIGKILL) rank of a 4-rank ``xdit`` job ends
+it within the timeout plus 60 s, non-zero, with one line that names a rank, the exchange and the
+timeout, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cocodiff_xfuser.tools.launcher import _descendants, _kill_tree
+
+TIMEOUT_S = 20
+XDIT = Path(sys.executable).with_name("xdit")
+
+
+def _rank_pid(root: int, rank: int) -> int | None:
+    for pid in _descendants(root):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"xfuser.runner" in cmdline:
+            return pid
+    return None
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
+def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
+    log = tmp_path / "job.log"
+    cmd = [
+        str(XDIT), "--model", "cocodiff/tiny-flux", "--ulysses_degree", "4", "--sp-backend", "cocodiff",
+        "--cocodiff-topology", "2x2", "--cocodiff-timeout", str(TIMEOUT_S), "--num_inference_steps", "2000",
+        "--prompt", "a cat", "--output_directory", str(tmp_path),
+    ]
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    victim = None
+    try:
+        deadline = time.monotonic() + 300
+        while "Running iteration" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.5)
+        time.sleep(3)  # well inside the denoising loop: every rank is exchanging
+        victim = _rank_pid(job.pid, 2)
+        assert victim is not None, log.read_text()[-3000:]
+        os.kill(victim, fault)
+        faulted = time.monotonic()
+        job.wait(timeout=TIMEOUT_S + 60)
+        ended = time.monotonic() - faulted
+    finally:
+        if job.poll() is None:
+            _kill_tree(job.pid)
+            job.wait()
+        time.sleep(2)
+        left = [pid for pid in (victim,) if pid and Path(f"/proc/{pid}").exists()]
+        for pid in left:  # a SIGSTOPped rank that the launcher could not end
+            os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("cocodiff: rank")]
+    assert job.returncode != 0 and ended <= TIMEOUT_S + 60, (job.returncode, ended, text[-3000:])
+    assert lines and all(f"timeout {TIMEOUT_S} s" in line and "exchange '" in line for line in lines), text[-3000:]
+    assert not left, f"rank 2 ({victim}) outlived the job"

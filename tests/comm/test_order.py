@@ -1,0 +1,41 @@
+"""One program order: with the order audit on, every rank launches the same collectives, on the
+same communicators, in the same order, for every tiny model under V-First and TAPA (4 ranks,
+2 nodes x 2, the hierarchical exchange forced so that phases on sub-groups are in flight)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cocodiff_xfuser.comm.order import AUDIT_ENV
+from cocodiff_xfuser.tools import launcher
+from cocodiff_xfuser.tools.generate import output_dir
+from cocodiff_xfuser.tools.models import tiny as tiny_models
+from cocodiff_xfuser.tools.verify import Run
+
+MODELS = sorted(tiny_models.SPECS)
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    out = tmp_path_factory.mktemp("order")
+    run = Run(model=MODELS[0], ulysses_degree=4, topology="2x2", v_first=True, extra=("--cocodiff_a2a", "hierarchical"))
+    argv = run.argv(("cocodiff",), out)
+    argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in MODELS)
+    launcher.torchrun(run.world_size, argv, env={AUDIT_ENV: "1"}, timeout=900)
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_rank_launches_in_one_order(audited, model):
+    result = json.loads((output_dir(audited, tiny_models.SPECS[model].model_id, "cocodiff") / "result.json").read_text())
+    launches = result["launches"]
+    assert len(launches) == 4 and launches[0], result
+    for rank, sequence in enumerate(launches[1:], start=1):
+        first = next((i for i, (a, b) in enumerate(zip(launches[0], sequence)) if a != b), None)
+        assert sequence == launches[0], f"rank {rank} differs from rank 0 at launch {first}: {sequence[first:first + 3]}"
+    roles = {role for role, _ in launches[0]}
+    assert {"level 0 of (2, 2)", "level 1 of (2, 2)"} <= roles, roles
+    # The path under test ran: V-First calls and only hierarchical exchanges.
+    assert result["ran"]["v_first_calls"] > 0 and set(result["ran"]["exchanges"]) == {"hierarchical"}, result["ran"]
