@@ -83,12 +83,10 @@ class CocodiffBackend:
         self.levels = tapa.levels(group)
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
+        # What decisions are only valid for (kept: at exit the process groups may be gone).
+        self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
         self._decisions_file = os.environ.get(DECISIONS_ENV)
         self._load_decisions()
-
-    def _provenance(self) -> dict:
-        """What decisions are only valid for: the topology, the process-group backend, the world."""
-        return {"topology": str(self.topology), "backend": dist.get_backend(self.group), "world_size": dist.get_world_size()}
 
     def _load_decisions(self) -> None:
         if not self._decisions_file:
@@ -102,11 +100,11 @@ class CocodiffBackend:
         data = from_first(data)
         if data is None:
             return
-        measured_on = {key: data.get(key) for key in self._provenance()}
-        if measured_on != self._provenance():
+        measured_on = {key: data.get(key) for key in self._provenance}
+        if measured_on != self._provenance:
             raise ValueError(
                 f"{DECISIONS_ENV}={self._decisions_file} was measured on {measured_on}, this job is "
-                f"{self._provenance()}; remove the file or point {DECISIONS_ENV} elsewhere"
+                f"{self._provenance}; remove the file or point {DECISIONS_ENV} elsewhere"
             )
         self.exchange.load_dict(data)
         logger.info("cocodiff: all-to-all decisions loaded from %s", self._decisions_file)
@@ -114,8 +112,9 @@ class CocodiffBackend:
     def save_decisions(self) -> None:
         """Rank 0 writes the autotune decisions to ``$COCODIFF_A2A_DECISIONS`` (a cost model reads them)."""
         if self._decisions_file and self.rank == 0:
+            text = json.dumps(self.exchange.to_dict() | self._provenance, indent=2)
             with open(self._decisions_file, "w") as f:
-                json.dump(self.exchange.to_dict() | self._provenance(), f, indent=2)
+                f.write(text)
 
     def _algorithm(self, x: torch.Tensor, label: str) -> str:
         if self.exchange.measures(x, self.group):

@@ -67,3 +67,51 @@ def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
     assert job.returncode != 0 and ended <= TIMEOUT_S + 60, (job.returncode, ended, text[-3000:])
     assert lines and all(f"timeout {TIMEOUT_S} s" in line and "exchange '" in line for line in lines), text[-3000:]
     assert not left, f"rank 2 ({victim}) outlived the job"
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
+def test_a_failed_rank_ends_an_emulated_multi_node_job(tmp_path, fault):
+    """The same on the emulated 2 nodes x 2 cluster (network namespaces, rail fabric): the job ends,
+    and neither a process nor a namespace is left behind."""
+    from cocodiff_xfuser.tools.fabric import Fabric, available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"no emulated fabric here: {why}")
+    fab = Fabric("rail", 2, 2, fabric_id=f"f{os.getpid() % 100000}")
+    log = tmp_path / "job.log"
+    cmd = [
+        "bash", str(fab.script), "run", "--preset", "rail", "--nodes", "2", "--local", "2", "--id", fab.fabric_id,
+        "--logdir", str(tmp_path / "ranks"), "--", sys.executable, "-m", "cocodiff_xfuser.tools.generate",
+        "--out", str(tmp_path / "out"), "--model", "cocodiff/tiny-flux", "--ulysses_degree", "4",
+        "--sp-backend", "cocodiff", "--cocodiff-topology", "2x2", "--cocodiff-timeout", str(TIMEOUT_S),
+        "--num_inference_steps", "2000", "--prompt", "a cat",
+    ]
+    with open(log, "w") as out:
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                               env={**os.environ, "CCD_PYTHON": sys.executable})
+    victim = None
+    try:
+        deadline = time.monotonic() + 300
+        while "/2000 [" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.5)  # rank 0's progress bar: the denoising loop has started
+        time.sleep(3)
+        pids = subprocess.run(["ip", "netns", "pids", fab.namespace(2)], capture_output=True, text=True).stdout.split()
+        victim = next((int(p) for p in pids if b"generate" in Path(f"/proc/{p}/cmdline").read_bytes()), None)
+        assert victim is not None, log.read_text()[-3000:]
+        os.kill(victim, fault)
+        faulted = time.monotonic()
+        job.wait(timeout=TIMEOUT_S + 60)
+        ended = time.monotonic() - faulted
+    finally:
+        if job.poll() is None:
+            _kill_tree(job.pid)
+            job.wait()
+        fab.down()
+    text = log.read_text() + "".join(p.read_text() for p in (tmp_path / "ranks").glob("rank*.log"))
+    lines = [line for line in text.splitlines() if line.startswith("cocodiff: rank")]
+    assert job.returncode != 0 and ended <= TIMEOUT_S + 60, (job.returncode, ended, text[-3000:])
+    assert lines and all(f"timeout {TIMEOUT_S} s" in line for line in lines), text[-3000:]
+    assert not Path(f"/proc/{victim}").exists() or Path(f"/proc/{victim}/stat").read_text().split()[2] == "Z"
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert fab.prefix not in namespaces, namespaces

@@ -255,7 +255,7 @@ def test_decisions_measured_elsewhere_are_refused_once(tmp_path):
         launcher.torchrun(4, argv, env={"COCODIFF_A2A_DECISIONS": str(decisions)}, timeout=600)
     output = failed.value.result.stdout + failed.value.result.stderr
     assert output.count("was measured on") == 1, output[-3000:]
-    assert "Traceback" not in output.split("torch.distributed.elastic")[0], output[-3000:]
+    assert "]: Traceback" not in output, output[-3000:]  # no rank printed one (torchrun's own report aside)
 
 
 def test_xdit_user_error_is_printed_once(tmp_path):
