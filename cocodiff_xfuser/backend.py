@@ -12,6 +12,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -50,15 +51,16 @@ class Options:
 class _Reshaping:
     """A handle over a flattened exchange that gives the result back in the input's shape."""
 
-    def __init__(self, backend: CocodiffBackend, handle: AllToAllHandle, shape: torch.Size, label: str) -> None:
-        self._backend, self._handle, self._shape, self.label = backend, handle, shape, label
+    def __init__(self, backend: CocodiffBackend, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str) -> None:
+        self._backend, self._handle, self._shape = backend, handle, shape
+        self.label, self.algorithm = label, algorithm
         self.done = False
 
     def progress(self) -> bool:
         return self._handle.progress()
 
     def wait(self) -> torch.Tensor:
-        out = self._backend.finish(self._handle, self.label).reshape(self._shape)
+        out = self._backend.finish(self._handle, self.label, self.algorithm).reshape(self._shape)
         self.done = True
         return out
 
@@ -128,12 +130,16 @@ class CocodiffBackend:
         commstats.count_exchange(algorithm, label)
         return algorithm
 
-    def finish(self, handle: AllToAllHandle, label: str) -> torch.Tensor:
+    def finish(self, handle: AllToAllHandle, label: str, algorithm: str) -> torch.Tensor:
         """``handle.wait()``; a failed or timed-out exchange ends this rank with one line."""
         try:
             return handle.wait()
         except RuntimeError as e:
-            faults.abort(self.rank, label, self.options.timeout_s, e)
+            self._abort(label, algorithm, e)
+
+    def _abort(self, label: str, algorithm: str, error: RuntimeError) -> NoReturn:
+        where = f"{algorithm} over group {dist.get_process_group_ranks(self.group)}"
+        faults.abort(self.rank, label, where, self.options.timeout_s, error)
 
     # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
     # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
@@ -143,9 +149,9 @@ class CocodiffBackend:
         flat = x.flatten()
         algorithm = self._algorithm(flat, label)
         try:
-            handle = _Reshaping(self, self.exchange.registry[algorithm].start(flat, self.group), x.shape, label)
+            handle = _Reshaping(self, self.exchange.registry[algorithm].start(flat, self.group), x.shape, label, algorithm)
         except RuntimeError as e:
-            faults.abort(self.rank, label, self.options.timeout_s, e)
+            self._abort(label, algorithm, e)
         self._pending.append(handle)
         return handle
 
@@ -157,7 +163,7 @@ class CocodiffBackend:
         try:
             return self.exchange.registry[algorithm].run(flat, self.group).reshape(x.shape)
         except RuntimeError as e:
-            faults.abort(self.rank, label, self.options.timeout_s, e)
+            self._abort(label, algorithm, e)
 
     def describe(self) -> str:
         plan = "x".join(map(str, self.levels)) if self.levels else "flat only"

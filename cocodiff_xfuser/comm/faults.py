@@ -66,11 +66,12 @@ def failed(where: str, error: BaseException) -> ExchangeFailed:
     return ExchangeFailed(f"{where}: {first}")
 
 
-def abort(rank: int, label: str, timeout_s: float, error: BaseException) -> NoReturn:
-    """End this rank: one line naming it, the exchange and the timeout, then exit with :data:`EXIT_CODE`."""
-    detail = error if isinstance(error, ExchangeFailed) else failed("group", error)
+def abort(rank: int, label: str, where: str, timeout_s: float, error: BaseException) -> NoReturn:
+    """End this rank: one line naming it, the exchange (``label``, ``where``: algorithm and group,
+    and the phase and sub-group the error names) and the timeout; then exit with :data:`EXIT_CODE`."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     line = (
-        f"cocodiff: rank {rank}: exchange '{label}' did not complete ({detail}); "
+        f"cocodiff: rank {rank}: exchange '{label}' ({where}) did not complete: {first}; "
         f"timeout {timeout_s:g} s (--cocodiff-timeout / ${TIMEOUT_ENV}); ending the job"
     )
     print(line, file=sys.stderr, flush=True)

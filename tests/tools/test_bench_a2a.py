@@ -97,3 +97,19 @@ def test_documented_benchmark_runs_on_both_regimes(preset, tmp_path, capsys):
     assert [r["size_bytes"] >> 20 for r in report["results"]] == [4, 8, 16]
     for r in report["results"]:
         assert r["chosen"] in report["candidates"] and r["fraction_of_bound"] >= 0.9 and r["bound_s"] > 0
+
+
+def test_a_second_benchmark_stops_at_once(tmp_path):
+    """Two benchmarks at once would share the cores and the links: the second one is refused."""
+    import subprocess
+    import sys
+
+    from cocodiff_xfuser.tools.bench import one_at_a_time
+
+    with one_at_a_time():
+        result = subprocess.run(
+            [sys.executable, "-m", "cocodiff_xfuser.tools.cli", "bench", "a2a", "--out", str(tmp_path), "--sizes-mib", "1"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "another cocodiff benchmark is running (pid" in result.stderr and "one at a time" in result.stderr
