@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import faults
+from cocodiff_xfuser.comm import faults, order
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
@@ -77,39 +77,43 @@ class CocodiffBackend:
         # Collective over the world: every rank learns every Ulysses group, resolves the same
         # topology and creates the same sub-groups in the same order.
         groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        order.launched(None, "all_gather_object")
         dist.all_gather_object(groups, dist.get_process_group_ranks(group))
-        spec = None if options.topology in (None, "", "auto") else options.topology
-        self.topology = topo.resolve(spec, dist.get_world_size())
-        agree(str(self.topology), "the topology (--cocodiff-topology, LOCAL_WORLD_SIZE, hostnames, XPU tiles)")
+        # Statistics calibrate by waiting for V at once, which changes the launch order.
+        agree(commstats.enabled(), "COCODIFF_COMM_STATS")
+        self.topology = _resolve_agreed(options.topology)
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
         # What decisions are only valid for (kept: at exit the process groups may be gone).
         self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
-        self._decisions_file = os.environ.get(DECISIONS_ENV)
-        self._load_decisions()
+        self._decisions_file = self._load_decisions()
 
-    def _load_decisions(self) -> None:
-        if not self._decisions_file:
-            return
-        # Rank 0 reads; every rank takes its contents, so every rank skips the same measurements
-        # even where the file is on storage only some ranks see.
-        data = None
-        if self.rank == 0 and os.path.exists(self._decisions_file):
-            with open(self._decisions_file) as f:
-                data = json.load(f)
-        data = from_first(data)
+    def _load_decisions(self) -> str | None:
+        """Rank 0's ``$COCODIFF_A2A_DECISIONS`` and its contents, on every rank (so every rank skips
+        the same measurements, even where the file is on storage only some ranks see)."""
+        path, data, error = os.environ.get(DECISIONS_ENV) if self.rank == 0 else None, None, None
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as e:
+                error = f"{DECISIONS_ENV}={path}: cannot read it ({e})"
+        path, data, error = from_first((path, data, error))
+        if error is not None:
+            raise ValueError(error)
         if data is None:
-            return
+            return path
         measured_on = {key: data.get(key) for key in self._provenance}
         if measured_on != self._provenance:
             raise ValueError(
-                f"{DECISIONS_ENV}={self._decisions_file} was measured on {measured_on}, this job is "
+                f"{DECISIONS_ENV}={path} was measured on {measured_on}, this job is "
                 f"{self._provenance}; remove the file or point {DECISIONS_ENV} elsewhere"
             )
         self.exchange.load_dict(data)
-        logger.info("cocodiff: all-to-all decisions loaded from %s", self._decisions_file)
+        logger.info("cocodiff: all-to-all decisions loaded from %s", path)
+        return path
 
     def save_decisions(self) -> None:
         """Rank 0 writes the autotune decisions to ``$COCODIFF_A2A_DECISIONS`` (a cost model reads them)."""
@@ -147,8 +151,9 @@ class CocodiffBackend:
     def start(self, x: torch.Tensor, label: str) -> _Reshaping:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
         flat = x.flatten()
-        algorithm = self._algorithm(flat, label)
+        algorithm = "autotune"
         try:
+            algorithm = self._algorithm(flat, label)
             handle = _Reshaping(self, self.exchange.registry[algorithm].start(flat, self.group), x.shape, label, algorithm)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
@@ -159,8 +164,9 @@ class CocodiffBackend:
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
         flat = x.flatten()
-        algorithm = self._algorithm(flat, label)
+        algorithm = "autotune"
         try:
+            algorithm = self._algorithm(flat, label)
             return self.exchange.registry[algorithm].run(flat, self.group).reshape(x.shape)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
@@ -172,6 +178,20 @@ class CocodiffBackend:
             f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
             f"timeout {self.options.timeout_s:g} s"
         )
+
+
+def _resolve_agreed(spec: str | None) -> topo.Topology:
+    """The topology, the same on every rank: a failure on some ranks only (their environment, a
+    preset missing on their host) is an error on all of them, naming a rank that differs."""
+    spec = None if spec in (None, "", "auto") else spec
+    try:
+        topology, outcome = topo.resolve(spec, dist.get_world_size()), None
+    except (ValueError, OSError) as e:
+        topology, outcome = None, str(e)
+    outcome = agree(outcome or str(topology), "the topology (--cocodiff-topology, LOCAL_WORLD_SIZE, hostnames, XPU tiles)")
+    if topology is None:
+        raise ValueError(outcome)
+    return topology
 
 
 _ACTIVE: CocodiffBackend | None = None

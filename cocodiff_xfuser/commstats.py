@@ -8,8 +8,8 @@ processor calls, and fall-backs by reason. Tests assert on these that the path u
 Timings, off by default:
 
 * every Ulysses exchange: bytes sent by this rank and the time the caller was blocked in it,
-  for stock Ulysses and cocodiff alike (the integration's all-to-all hook times the blocking
-  ones; V-First's asynchronous exchanges record the time their ``wait`` blocked);
+  for stock Ulysses and cocodiff alike (the routed ``_sdpa_all_to_all_single`` and V-First's
+  output exchange time the blocking ones; V-First's asynchronous exchanges record the time their ``wait`` blocked);
 * V-First overlap, per label (layer type) and size: the first ``CALIBRATION_CALLS`` exchanges
   are waited for at once, which measures the exchange time ``T`` with nothing to hide it;
   afterwards each wait records its exposed part. Hidden share = ``1 - exposed / T``.

@@ -22,8 +22,6 @@ TIMEOUT_ENV = "COCODIFF_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 EXIT_CODE = 3
 
-logger = logging.getLogger("cocodiff_xfuser")
-
 
 class ExchangeFailed(RuntimeError):
     """An exchange did not complete: its phase and sub-group, and the backend's own error."""
@@ -45,8 +43,12 @@ _timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
 
 
 def configure(timeout_s: float, group: Any) -> None:
-    """Bound every wait of this process, and every collective on ``group`` and the world (xfuser's
-    groups: a rank stalled outside an exchange must not leave its peers waiting for 30 minutes)."""
+    """Bound every wait of this process, and every collective on ``group`` and on the world group.
+
+    The world group is xfuser's (its barriers, its gathers of the output): a rank stalled outside an
+    exchange must not leave its peers waiting for gloo's 30 minutes either. There a timeout shows
+    as xfuser's own error, not as this module's line.
+    """
     global _timeout
     _timeout = timedelta(seconds=timeout_s)
     # torch has no public setter for an existing group; groups cocodiff creates get the timeout
@@ -60,18 +62,21 @@ def timeout() -> timedelta:
     return _timeout
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def failed(where: str, error: BaseException) -> ExchangeFailed:
     """``error`` (the backend's) as an :class:`ExchangeFailed` that says ``where`` it happened."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return ExchangeFailed(f"{where}: {first}")
+    return ExchangeFailed(f"{where}: {_first_line(error)}")
 
 
 def abort(rank: int, label: str, where: str, timeout_s: float, error: BaseException) -> NoReturn:
     """End this rank: one line naming it, the exchange (``label``, ``where``: algorithm and group,
     and the phase and sub-group the error names) and the timeout; then exit with :data:`EXIT_CODE`."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     line = (
-        f"cocodiff: rank {rank}: exchange '{label}' ({where}) did not complete: {first}; "
+        f"cocodiff: rank {rank}: exchange '{label}' ({where}) did not complete: {_first_line(error)}; "
         f"timeout {timeout_s:g} s (--cocodiff-timeout / ${TIMEOUT_ENV}); ending the job"
     )
     print(line, file=sys.stderr, flush=True)

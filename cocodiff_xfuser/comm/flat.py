@@ -17,7 +17,7 @@ call order; it does not coalesce), which removes that artefact while producing b
 output. It is used for the phases of the hierarchical exchange and, as ``flat-p2p``, for a whole
 flat exchange, on process groups whose backend for the tensor's device is gloo; NCCL/XCCL keep the
 functional collective. Point-to-point messages of one pair and tag are matched in posting order,
-so in-flight exchanges stay correct under the ordering rule of :mod:`.tapa`. gloo's p2p works do
+so in-flight exchanges stay correct under the ordering rule of :mod:`.order`. gloo's p2p works do
 not report completion until waited on, so a pollable phase that ``progress`` must test gets a
 short-lived thread that waits on its works (the wait releases the GIL) and sets an event.
 """

@@ -60,7 +60,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run a command; bad input is one line on stderr and exit status 2 (no traceback)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args, extra = _parser().parse_known_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "verify":  # only verify passes flags on (to xfuser's runner)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     name = " ".join(filter(None, ("cocodiff", args.command, getattr(args, "kind", None))))
     try:
         if args.command == "verify":

@@ -100,8 +100,11 @@ def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None):
         timings += run_timings
     _handshake(sync_dir, "done")
     comm = commstats.report()
-    # The slowest rank sets the pace: report its blocked time.
-    blocked = torch.tensor([comm["blocked_s"]], dtype=torch.float64)
+    # The slowest rank sets the pace: report its blocked time (on the device NCCL/XCCL reduce on).
+    from cocodiff_xfuser.platform import detect
+
+    device = detect().device(int(os.environ.get("LOCAL_RANK", "0")))
+    blocked = torch.tensor([comm["blocked_s"]], dtype=torch.float64, device=device)
     dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
     comm["blocked_s_max_over_ranks"] = float(blocked)
     comm["runs"] = repeat

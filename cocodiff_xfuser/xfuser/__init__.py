@@ -8,7 +8,7 @@ each module named in :data:`HOOKS`. The patches, by concern:
 * :mod:`.activation`: the backend activated with xfuser's process groups, every Ulysses exchange
   routed to it, per model a fall-back to stock or V-First processors; external models
   (``cocodiff/...``) registered on first lookup;
-* :mod:`.workarounds`: xfuser 0.7.0 bugs, under ``--sp-backend cocodiff`` only;
+* :mod:`.workarounds`: xfuser 0.7.0 bugs, while the backend is active (and on XPU/CPU hosts);
 * :mod:`.compat`: the version, checked patch targets and every private xfuser name.
 
 With an xfuser other than the tested version nothing is patched: silently for stock users, with

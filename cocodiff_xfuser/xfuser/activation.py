@@ -14,7 +14,7 @@ from cocodiff_xfuser import backend, commstats
 from cocodiff_xfuser.comm import faults
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import compat
-from cocodiff_xfuser.xfuser.flags import BACKEND_ENV, SP_BACKENDS
+from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -27,7 +27,7 @@ def _activating_backend(original):
     def _check_distributed_env(self, parallel_config):
         original(self, parallel_config)
         config = self.runtime_config
-        name = getattr(config, "sp_backend", None) or os.environ.get(BACKEND_ENV, "ulysses")
+        name = getattr(config, "sp_backend", None) or env_backend()
         if name not in SP_BACKENDS:
             raise ValueError(f"unknown sp backend {name!r}: expected one of {', '.join(SP_BACKENDS)}")
         if name == "cocodiff" and parallel_config.tp_degree > 1:

@@ -29,7 +29,7 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     (f"{_TRANSFORMERS}.transformer_flux2", "_HAS_FLYDSL"),
     (f"{_TRANSFORMERS}.transformer_qwen", "_HAS_FLYDSL"),
     (f"{_TRANSFORMERS}.transformer_wan", "_HAS_FLYDSL"),
-    ("xfuser.model_executor.models.runner_models.wan", "_build_attention_kwargs"),
+    ("xfuser.model_executor.models.runner_models.wan", "_build_attention_kwargs"),  # the tiny Wan (tools/)
 )
 
 

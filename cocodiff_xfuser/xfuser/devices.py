@@ -31,6 +31,7 @@ YUNCHANG_GATED = (
 
 
 def patch_envs(envs: types.ModuleType, cocodiff_requested: bool) -> None:
+    """xfuser's device queries answer for the platform; mpiexec's rank variables are adopted."""
     plat = detect()
     if (cocodiff_requested or not plat.is_cuda) and adopt_mpi_environment():
         logger.info("cocodiff: rank %s of %s from the MPI launcher's environment", os.environ["RANK"], os.environ["WORLD_SIZE"])
@@ -79,7 +80,7 @@ def open_yunchang_gate(module: types.ModuleType) -> None:
         return
     import xfuser.envs as envs
 
-    module.__dict__["_cocodiff_saved_is_npu"] = envs._is_npu
+    module.__dict__["_cocodiff_saved_is_npu"] = compat.target(envs, "_is_npu")
     envs._is_npu = lambda: True
 
 

@@ -16,20 +16,23 @@ SP_BACKENDS = ("ulysses", "cocodiff")
 
 
 def cocodiff_requested(argv: list[str] | None = None) -> bool:
-    """Whether this process asked for the cocodiff backend (flag or environment)."""
+    """Whether this process asked for the cocodiff backend: the flag, else the environment."""
     argv = sys.argv if argv is None else argv
-    if os.environ.get(BACKEND_ENV, "").strip().lower() == "cocodiff":
-        return True
     for i, arg in enumerate(argv):
         key, _, value = arg.partition("=")
-        if key in ("--sp-backend", "--sp_backend") and (value or (argv[i + 1] if i + 1 < len(argv) else "")) == "cocodiff":
-            return True
-    return False
+        if key in ("--sp-backend", "--sp_backend"):
+            return (value or (argv[i + 1] if i + 1 < len(argv) else "")) == "cocodiff"
+    return env_backend() == "cocodiff"
+
+
+def env_backend() -> str:
+    """``$XFUSER_SP_BACKEND``, normalized (default ``ulysses``)."""
+    return os.environ.get(BACKEND_ENV, "").strip().lower() or "ulysses"
 
 
 def _add_backend_args(parser) -> None:
     group = parser.add_argument_group("cocodiff-xfuser")
-    default = os.environ.get(BACKEND_ENV, "ulysses").strip().lower() or "ulysses"
+    default = env_backend()
     if default not in SP_BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={default!r}: expected one of {', '.join(SP_BACKENDS)}")
     group.add_argument(

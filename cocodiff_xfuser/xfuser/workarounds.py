@@ -1,6 +1,6 @@
-"""Workarounds of xfuser 0.7.0 bugs: under ``--sp-backend cocodiff``, and on hosts without CUDA.
+"""Workarounds of xfuser 0.7.0 bugs: while the cocodiff backend is active, and on hosts without CUDA.
 
-On a CUDA host without the flag the stock code runs unchanged (and fails as it would without
+On a CUDA host without the flag (or after a logged fall-back to stock) the stock code runs unchanged (and fails as it would without
 this package). On XPU and CPU hosts, where stock xfuser cannot run at all without the platform
 enablement (:mod:`.devices`), they are part of that enablement, so that stock Ulysses there is the
 reference cocodiff is compared with.

@@ -23,6 +23,7 @@ import dataclasses
 
 import cocodiff_xfuser.comm.autotune as autotune
 from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
 from cocodiff_xfuser.comm.flat import (
     FlatHandle,
@@ -439,7 +440,22 @@ def case_autotune(tmpdir: str) -> None:
         logger.removeHandler(log)
 
 
+def case_agreement() -> None:
+    """Rank-local facts: the same everywhere passes; one rank differing is an error on every rank
+    that names it; from_first hands rank 0's value to all."""
+    check(agree("same", "a fact") == "same", "agreement on equal values")
+    odd = WORLD - 1
+    try:
+        agree("b" if RANK == odd else "a", "a fact")
+        check(False, "a disagreement was accepted")
+    except Disagreement as e:
+        check(f"rank {odd} has 'b'" in str(e), f"the error must name rank {odd}: {e}")
+    check(from_first(RANK * 10) == 0, "from_first gives rank 0's value")
+    check(any_rank(RANK == odd, None, torch.device("cpu")) and not any_rank(False, None, torch.device("cpu")), "any_rank")
+
+
 CASES = {
+    "agreement": case_agreement,
     "semantics": case_semantics,
     "layouts": case_layouts,
     "subgroups": case_subgroups,

@@ -55,7 +55,7 @@ from cocodiff_xfuser.comm.registry import Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.comm.topology import Topology, resolve
 from cocodiff_xfuser.tools import same_bits
-from cocodiff_xfuser.tools.bench import one_at_a_time
+from cocodiff_xfuser.tools.bench import one_at_a_time, plots
 
 DEFAULT_SIZES_MIB = (4, 8, 16)
 DEFAULT_REPS = 9
@@ -434,10 +434,10 @@ def bench_a2a(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         report["files"] = {"json": f"{stem}.json"}  # names in out_dir
-        if plot:
-            from cocodiff_xfuser.tools.bench.plots import plot_a2a
-
-            report["files"]["png"] = plot_a2a(report, out / f"{stem}.png").name
+        if plot and not plots.available():
+            print(plots.MISSING, file=sys.stderr)
+        elif plot:
+            report["files"]["png"] = plots.plot_a2a(report, out / f"{stem}.png").name
         (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     if echo:
         print(format_report(report), file=sys.stderr if echo == "stderr" else sys.stdout, flush=True)

@@ -27,11 +27,11 @@ from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run, compare
 
-# name in the report -> generate's backend variant. V-Major (roadmap) will add "tapa+vfirst+vmajor".
 DEFAULT_SIZE = 256  # image height and width
 DEFAULT_STEPS = 4
 DEFAULT_REPEAT = 3  # timed pipeline calls per configuration
 TIMEOUT_S = 1800.0
+# name in the report -> generate's backend variant. V-Major (roadmap) will add "tapa+vfirst+vmajor".
 CONFIGS = {"stock": "ulysses", "tapa": "cocodiff", "tapa+vfirst": "cocodiff+vfirst"}
 NOT_YET = {"tapa+vfirst+vmajor": "V-Major is not implemented yet (roadmap item 5)"}
 # The slowest shaped link of every preset is the one named "uplink" in the emulation: the node
@@ -175,6 +175,11 @@ def format_report(report: dict) -> str:
 
 def run_cli(args) -> int:
     from cocodiff_xfuser.tools.bench import plots
+    from cocodiff_xfuser.tools.fabric import available
+
+    ok, why = available()
+    if not ok:
+        raise ValueError(f"cannot build the {args.fabric} fabric here: {why}")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,6 +188,10 @@ def run_cli(args) -> int:
                        params or None, args.timeout)
     stem = f"e2e-{args.model}-{args.fabric}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plots.plot_e2e(report, out / f"{stem}.png")
-    print(json.dumps(report) if args.json else format_report(report) + f"\nwritten: {out / stem}.json, .png")
+    if plots.available():
+        plots.plot_e2e(report, out / f"{stem}.png")
+    else:
+        print(plots.MISSING, file=sys.stderr)
+    written = f"{out / stem}.json" + (", .png" if plots.available() else "")
+    print(json.dumps(report) if args.json else format_report(report) + f"\nwritten: {written}")
     return 0

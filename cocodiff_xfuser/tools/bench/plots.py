@@ -1,7 +1,8 @@
-"""Figures for benchmark reports (matplotlib, Agg backend: no display needed)."""
+"""Figures for benchmark reports (matplotlib, Agg backend: no display needed; the ``bench`` extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -13,6 +14,13 @@ _A2A_SERIES = (
     ("hierarchical", "hierarchical (TAPA)", dict(color="tab:red", marker="^")),
     ("hierarchical_collective", "hierarchical, gloo op per phase", dict(color="tab:orange", marker="v", linestyle="--")),
 )
+
+
+MISSING = "no figure: matplotlib is not installed (pip install 'cocodiff-xfuser[bench]'); the JSON has every number"
+
+
+def available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def plot_a2a(report: Mapping[str, Any], path: str | os.PathLike) -> Path:

@@ -1,7 +1,7 @@
 """Emulated multi-node fabrics: description, physical lower bound, and a launcher.
 
-One module holds the numbers of every preset; ``emulate_cluster.sh`` (beside this module, shipped in the wheel) (which builds the
-namespaces, links, routes and ``tc tbf`` limits) reads them through
+One module holds the numbers of every preset; ``emulate_cluster.sh`` (beside this module, shipped
+in the wheel), which builds the namespaces, links, routes and ``tc tbf`` limits, reads them through
 ``python -m cocodiff_xfuser.tools.fabric --shell-env PRESET --nodes N --local L`` so that the emulated
 cluster and :meth:`Fabric.bound_s` always use the same bandwidths.
 
@@ -14,7 +14,7 @@ Usage::
     ok, why = available()                      # root + ip + tc + namespaces work here?
     fab = Fabric("rail", nodes=2, local=2)
     fab.bound_s("all_to_all", 16 * 2**20)      # physical lower bound, seconds
-    with fab:                                  # scripts/emulate_cluster.sh up ... down
+    with fab:                                  # emulate_cluster.sh up ... down
         r = fab.run(["python", "-m", "pkg.worker"], timeout=120)   # torchrun-style env per rank
         print(r.returncode, fab.qdisc_stats())
 
