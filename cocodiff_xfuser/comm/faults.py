@@ -55,6 +55,22 @@ def configure(timeout_s: float, group: Any) -> None:
     # at creation (``dist.new_group(timeout=timeout())``).
     for pg in (group, dist.group.WORLD):
         dist.distributed_c10d._set_pg_timeout(_timeout, pg)
+    if not getattr(sys.excepthook, "_cocodiff", False):
+        sys.excepthook = _ending_on_collective_failures(sys.excepthook, timeout_s)
+
+
+def _ending_on_collective_failures(previous, timeout_s: float):
+    """An excepthook: a collective of xfuser's own that failed (a peer died or timed out while this
+    rank waited outside cocodiff's exchanges) ends the rank with the same one line."""
+
+    def hook(kind, error, tb):
+        text = str(error).lower()
+        if issubclass(kind, RuntimeError) and any(word in text for word in ("gloo", "nccl", "ccl", "c10d", "processgroup")):
+            abort(dist.get_rank() if dist.is_initialized() else -1, "xfuser", "one of xfuser's own collectives", timeout_s, error)
+        previous(kind, error, tb)
+
+    hook._cocodiff = True  # type: ignore[attr-defined]
+    return hook
 
 
 def timeout() -> timedelta:

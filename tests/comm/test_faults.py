@@ -31,24 +31,18 @@ def _rank_pid(root: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
-def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
-    log = tmp_path / "job.log"
-    cmd = [
-        str(XDIT), "--model", "cocodiff/tiny-flux", "--ulysses_degree", "4", "--sp-backend", "cocodiff",
-        "--cocodiff-topology", "2x2", "--cocodiff-timeout", str(TIMEOUT_S), "--num_inference_steps", "2000",
-        "--prompt", "a cat", "--output_directory", str(tmp_path),
-    ]
+def _fault_rank_2(cmd, log: Path, started: str, find_rank_2, fault, **popen) -> tuple[subprocess.Popen, float, int | None, list[int]]:
+    """Start ``cmd``, wait for ``started`` in its log, send ``fault`` to rank 2 and wait for the job:
+    the job, the seconds from the fault to its end, rank 2's pid, and the pids it left behind."""
     with open(log, "w") as out:
-        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-    victim = None
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+    victim, ended = None, float("inf")
     try:
         deadline = time.monotonic() + 300
-        while "Running iteration" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
+        while started not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
             time.sleep(0.5)
         time.sleep(3)  # well inside the denoising loop: every rank is exchanging
-        victim = _rank_pid(job.pid, 2)
+        victim = find_rank_2(job.pid)
         assert victim is not None, log.read_text()[-3000:]
         os.kill(victim, fault)
         faulted = time.monotonic()
@@ -59,13 +53,38 @@ def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
             _kill_tree(job.pid)
             job.wait()
         time.sleep(2)
-        left = [pid for pid in (victim,) if pid and Path(f"/proc/{pid}").exists()]
+        left = [pid for pid in (victim,) if pid and Path(f"/proc/{pid}").exists() and _alive(pid)]
         for pid in left:  # a SIGSTOPped rank that the launcher could not end
             os.kill(pid, signal.SIGKILL)
-    text = log.read_text()
+    return job, ended, victim, left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _check_one_line_per_rank(job: subprocess.Popen, ended: float, text: str) -> None:
     lines = [line for line in text.splitlines() if line.startswith("cocodiff: rank")]
     assert job.returncode != 0 and ended <= TIMEOUT_S + 60, (job.returncode, ended, text[-3000:])
     assert lines and all(f"timeout {TIMEOUT_S} s" in line and "exchange '" in line for line in lines), text[-3000:]
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
+def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
+    log = tmp_path / "job.log"
+    cmd = [
+        str(XDIT), "--model", "cocodiff/tiny-flux", "--ulysses_degree", "4", "--sp-backend", "cocodiff",
+        "--cocodiff-topology", "2x2", "--cocodiff-timeout", str(TIMEOUT_S), "--num_inference_steps", "2000",
+        "--prompt", "a cat", "--output_directory", str(tmp_path),
+    ]
+    job, ended, victim, left = _fault_rank_2(
+        cmd, log, "Running iteration", lambda root: _rank_pid(root, 2), fault,
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    _check_one_line_per_rank(job, ended, log.read_text())
     assert not left, f"rank 2 ({victim}) outlived the job"
 
 
@@ -87,31 +106,19 @@ def test_a_failed_rank_ends_an_emulated_multi_node_job(tmp_path, fault):
         "--sp-backend", "cocodiff", "--cocodiff-topology", "2x2", "--cocodiff-timeout", str(TIMEOUT_S),
         "--num_inference_steps", "2000", "--prompt", "a cat",
     ]
-    with open(log, "w") as out:
-        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "CCD_PYTHON": sys.executable})
-    victim = None
-    try:
-        deadline = time.monotonic() + 300
-        while "/2000 [" not in log.read_text() and time.monotonic() < deadline and job.poll() is None:
-            time.sleep(0.5)  # rank 0's progress bar: the denoising loop has started
-        time.sleep(3)
+
+    def rank_2_in_its_namespace(_root: int) -> int | None:
         pids = subprocess.run(["ip", "netns", "pids", fab.namespace(2)], capture_output=True, text=True).stdout.split()
-        victim = next((int(p) for p in pids if b"generate" in Path(f"/proc/{p}/cmdline").read_bytes()), None)
-        assert victim is not None, log.read_text()[-3000:]
-        os.kill(victim, fault)
-        faulted = time.monotonic()
-        job.wait(timeout=TIMEOUT_S + 60)
-        ended = time.monotonic() - faulted
+        return next((int(p) for p in pids if b"generate" in Path(f"/proc/{p}/cmdline").read_bytes()), None)
+
+    try:
+        # Rank 0's progress bar: the denoising loop has started.
+        job, ended, victim, left = _fault_rank_2(
+            cmd, log, "/2000 [", rank_2_in_its_namespace, fault, env={**os.environ, "CCD_PYTHON": sys.executable}
+        )
     finally:
-        if job.poll() is None:
-            _kill_tree(job.pid)
-            job.wait()
         fab.down()
-    text = log.read_text() + "".join(p.read_text() for p in (tmp_path / "ranks").glob("rank*.log"))
-    lines = [line for line in text.splitlines() if line.startswith("cocodiff: rank")]
-    assert job.returncode != 0 and ended <= TIMEOUT_S + 60, (job.returncode, ended, text[-3000:])
-    assert lines and all(f"timeout {TIMEOUT_S} s" in line for line in lines), text[-3000:]
-    assert not Path(f"/proc/{victim}").exists() or Path(f"/proc/{victim}/stat").read_text().split()[2] == "Z"
+    _check_one_line_per_rank(job, ended, log.read_text() + "".join(p.read_text() for p in (tmp_path / "ranks").glob("rank*.log")))
+    assert not left, f"rank 2 ({victim}) outlived the job"
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert fab.prefix not in namespaces, namespaces
