@@ -19,9 +19,7 @@ imported cache must be imported on every rank.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -33,7 +31,6 @@ import torch.distributed as dist
 from .. import commstats
 from ..platform import detect
 from . import order
-from .flat import AllToAllHandle
 from .registry import A2A_SETTINGS, ALGORITHMS, Registry
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -152,12 +149,6 @@ class AutoAllToAll:
             return False
         return (self._ranks(group), size_bucket(x.numel() * x.element_size())) not in self.decisions
 
-    def start(self, x: torch.Tensor, group: Any = None) -> AllToAllHandle:
-        return self.registry[self.choose(x, group)].start(x, group)
-
-    def __call__(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
-        return self.registry[self.choose(x, group)].run(x, group)
-
     def to_dict(self) -> dict[str, Any]:
         topology = self.registry.tapa.topology if self.registry.tapa is not None else None
         return {
@@ -174,14 +165,6 @@ class AutoAllToAll:
             if d.algorithm not in ALGORITHMS:
                 raise ValueError(f"invalid algorithm {d.algorithm!r} in decision {raw}")
             self.decisions[(d.group, d.bucket_bytes)] = d
-
-    def export_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-
-    def import_json(self, path: str | os.PathLike) -> None:
-        with open(path) as f:
-            self.load_dict(json.load(f))
 
     def _ranks(self, group: Any) -> tuple[int, ...]:
         if group not in self._group_ranks:

@@ -276,14 +276,10 @@ class HierarchicalAllToAll:
     two levels, or are unknown use the flat exchange.
     """
 
-    def __init__(
-        self, topology: Topology, groups: Sequence[Sequence[int]], receives_first: bool | None = None
-    ) -> None:
+    def __init__(self, topology: Topology, groups: Sequence[Sequence[int]]) -> None:
         topology.validate(dist.get_world_size())
         rank = dist.get_rank()
         self.topology = topology
-        # None: receives-first p2p phases where the backend is gloo (uses_receives_first).
-        self.receives_first = receives_first
         self._pool = _BufferPool()
         self._plans: dict[tuple[int, ...], _GroupPlan] = {}
         self._plan_by_pg: dict[Any, _GroupPlan | None] = {}
@@ -336,8 +332,7 @@ class HierarchicalAllToAll:
         ``pollable=True`` issues c10d works whose completion ``progress`` can test;
         ``pollable=False`` issues functional collectives (traceable by torch.compile), which only
         ``wait`` advances. On gloo groups the phases are receives-first p2p exchanges instead (both
-        modes; pollable phases get a waiter thread), unless ``receives_first`` (default: the
-        instance's setting) is False; while torch.compile traces, the functional collectives are
+        modes; pollable phases get a waiter thread), unless ``receives_first`` is False; while torch.compile traces, the functional collectives are
         used. Raises ValueError where :meth:`reason` says it cannot run: it never substitutes
         another algorithm.
         """
@@ -345,8 +340,6 @@ class HierarchicalAllToAll:
         why = self.reason(x, group)
         if why is not None:
             raise ValueError(f"hierarchical all-to-all: {why}")
-        if receives_first is None:
-            receives_first = self.receives_first
         if receives_first is None:
             receives_first = uses_receives_first(group, x.device)
         p2p = bool(receives_first) and not torch.compiler.is_compiling()
