@@ -73,7 +73,8 @@ class CocodiffBackend:
         self.options = options
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank()
-        faults.configure(options.timeout_s, group)
+        self._ranks = dist.get_process_group_ranks(group)
+        faults.configure(options.timeout_s)
         # Collective over the world: every rank learns every Ulysses group, resolves the same
         # topology and creates the same sub-groups in the same order.
         groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -137,13 +138,16 @@ class CocodiffBackend:
     def finish(self, handle: AllToAllHandle, label: str, algorithm: str) -> torch.Tensor:
         """``handle.wait()``; a failed or timed-out exchange ends this rank with one line."""
         try:
-            return handle.wait()
+            with faults.inside(label, self._where(algorithm)):
+                return handle.wait()
         except RuntimeError as e:
             self._abort(label, algorithm, e)
 
+    def _where(self, algorithm: str) -> str:
+        return f"{algorithm} over group {self._ranks}"
+
     def _abort(self, label: str, algorithm: str, error: RuntimeError) -> NoReturn:
-        where = f"{algorithm} over group {dist.get_process_group_ranks(self.group)}"
-        faults.abort(self.rank, label, where, self.options.timeout_s, error)
+        faults.abort(self.rank, label, self._where(algorithm), self.options.timeout_s, error)
 
     # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
     # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
@@ -167,7 +171,8 @@ class CocodiffBackend:
         algorithm = "autotune"
         try:
             algorithm = self._algorithm(flat, label)
-            return self.exchange.registry[algorithm].run(flat, self.group).reshape(x.shape)
+            with faults.inside(label, self._where(algorithm)):
+                return self.exchange.registry[algorithm].run(flat, self.group).reshape(x.shape)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
 

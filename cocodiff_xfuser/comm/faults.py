@@ -10,11 +10,14 @@ that names itself, the exchange (layer label, phase, sub-group) and the timeout,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Iterator, NoReturn
 
 import torch.distributed as dist
 
@@ -42,21 +45,40 @@ def default_timeout_s() -> float:
 _timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
 
 
-def configure(timeout_s: float, group: Any) -> None:
-    """Bound every wait of this process, and every collective on ``group`` and on the world group.
+def configure(timeout_s: float) -> None:
+    """Bound every wait of this process and every collective of every process group it has.
 
-    The world group is xfuser's (its barriers, its gathers of the output): a rank stalled outside an
-    exchange must not leave its peers waiting for gloo's 30 minutes either. There a timeout shows
-    as xfuser's own error, not as this module's line.
+    xfuser's groups too (its barriers, its per-step gathers of the output): a rank stalled outside
+    an exchange must not leave its peers waiting for gloo's 30 minutes either. A failure there, and
+    the launcher's SIGTERM after another rank failed, end the rank with the same one line.
     """
     global _timeout
     _timeout = timedelta(seconds=timeout_s)
-    # torch has no public setter for an existing group; groups cocodiff creates get the timeout
-    # at creation (``dist.new_group(timeout=timeout())``).
-    for pg in (group, dist.group.WORLD):
+    # torch has no public setter for existing groups; groups cocodiff creates later get the
+    # timeout at creation (``dist.new_group(timeout=timeout())``).
+    for pg in list(dist.distributed_c10d._world.pg_map):
         dist.distributed_c10d._set_pg_timeout(_timeout, pg)
     if not getattr(sys.excepthook, "_cocodiff", False):
         sys.excepthook = _ending_on_collective_failures(sys.excepthook, timeout_s)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: abort(
+            dist.get_rank(), *(_inside or ("-", "between exchanges")), timeout_s,
+            ExchangeFailed("the launcher ended this rank (SIGTERM), another rank having failed"),
+        ))
+
+
+_inside: tuple[str, str] | None = None  # (label, where) of the exchange this rank waits in
+
+
+@contextlib.contextmanager
+def inside(label: str, where: str) -> Iterator[None]:
+    """Mark the exchange this rank waits in, for the line a SIGTERM prints."""
+    global _inside
+    _inside = (label, where)
+    try:
+        yield
+    finally:
+        _inside = None
 
 
 def _ending_on_collective_failures(previous, timeout_s: float):
