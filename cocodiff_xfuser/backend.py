@@ -73,7 +73,7 @@ class CocodiffBackend:
         self.options = options
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank()
-        self._ranks = dist.get_process_group_ranks(group)
+        self._group_desc = f"group {dist.get_process_group_ranks(group)}"  # for the one-line fault report
         faults.configure(options.timeout_s)
         # Collective over the world: every rank learns every Ulysses group, resolves the same
         # topology and creates the same sub-groups in the same order.
@@ -144,7 +144,7 @@ class CocodiffBackend:
             self._abort(label, algorithm, e)
 
     def _where(self, algorithm: str) -> str:
-        return f"{algorithm} over group {self._ranks}"
+        return f"{algorithm} over {self._group_desc}"
 
     def _abort(self, label: str, algorithm: str, error: RuntimeError) -> NoReturn:
         faults.abort(self.rank, label, self._where(algorithm), self.options.timeout_s, error)

@@ -47,6 +47,7 @@ from .topology import Topology, restrict
 
 logger = logging.getLogger("cocodiff_xfuser")
 
+
 class _BufferPool:
     """Recycles the 1-D intermediate buffers of hierarchical exchanges.
 
