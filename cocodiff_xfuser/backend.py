@@ -85,6 +85,7 @@ class CocodiffBackend:
         self.topology = _resolve_agreed(options.topology)
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
+        self._slow_share = _slow_link_share(self.topology, dist.get_process_group_ranks(group), self.rank)
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
         # What decisions are only valid for (kept: at exit the process groups may be gone).
@@ -132,7 +133,8 @@ class CocodiffBackend:
                     pending.wait()
         self._pending = [p for p in self._pending if not p.done]
         algorithm = self.exchange.choose(x, self.group)
-        commstats.count_exchange(algorithm, label)
+        slow = int(x.numel() * x.element_size() * self._slow_share)
+        commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=slow)
         return algorithm
 
     def finish(self, handle: AllToAllHandle, label: str, algorithm: str) -> torch.Tensor:
@@ -183,6 +185,13 @@ class CocodiffBackend:
             f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
             f"timeout {self.options.timeout_s:g} s"
         )
+
+
+def _slow_link_share(topology: topo.Topology, group_ranks: list[int], rank: int) -> float:
+    """The share of an equal-split exchange that ``rank`` sends over the topology's outermost
+    level (nodes): to the group members on other nodes."""
+    node = topology.coords(rank)[0]
+    return sum(topology.coords(r)[0] != node for r in group_ranks) / len(group_ranks)
 
 
 def _resolve_agreed(spec: str | None) -> topo.Topology:

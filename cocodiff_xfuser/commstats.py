@@ -3,7 +3,10 @@
 Always counted, at the cost of a dictionary update per exchange (:func:`ran`): exchanges per
 algorithm (``stock`` when xfuser's own exchange ran) and per label (layer type: ``usp`` for
 exchanges routed from xfuser's ``USP``, ``*.v``, ``qk``, ``out`` for V-First's), V-First
-processor calls, and fall-backs by reason. Tests assert on these that the path under test ran.
+processor calls, fall-backs by reason, and the bytes this rank's cocodiff exchanges send over
+the topology's slowest level (to ranks on other nodes), next to what the exact exchange of
+the same tensors sends there (a lossy mechanism sends less). Tests assert on these that the
+path under test ran.
 
 Timings, off by default:
 
@@ -53,6 +56,8 @@ class _Ran:
     labels: Counter = field(default_factory=Counter)  # label -> count
     v_first_calls: int = 0
     fallbacks: Counter = field(default_factory=Counter)  # reason -> count
+    slow_link_bytes: int = 0
+    slow_link_bytes_exact: int = 0
 
 
 _totals = _Totals()
@@ -60,9 +65,11 @@ _overlap: dict[tuple[str, int], _Overlap] = defaultdict(_Overlap)
 _ran = _Ran()
 
 
-def count_exchange(algorithm: str, label: str) -> None:
+def count_exchange(algorithm: str, label: str, slow_link_bytes: int = 0, slow_link_bytes_exact: int = 0) -> None:
     _ran.exchanges[algorithm] += 1
     _ran.labels[label] += 1
+    _ran.slow_link_bytes += slow_link_bytes
+    _ran.slow_link_bytes_exact += slow_link_bytes_exact
 
 
 def count_v_first_call() -> None:
@@ -75,22 +82,26 @@ def count_fallback(reason: str) -> None:
 
 def ran() -> dict:
     """This rank's counts since the last :func:`reset_ran`: ``exchanges`` (per algorithm), ``labels``,
-    ``v_first_calls``, ``fallbacks`` (per reason)."""
+    ``v_first_calls``, ``fallbacks`` (per reason), ``slow_link_bytes`` and ``slow_link_bytes_exact``."""
     return {
         "exchanges": dict(_ran.exchanges),
         "labels": dict(_ran.labels),
         "v_first_calls": _ran.v_first_calls,
         "fallbacks": dict(_ran.fallbacks),
+        "slow_link_bytes": _ran.slow_link_bytes,
+        "slow_link_bytes_exact": _ran.slow_link_bytes_exact,
     }
 
 
 def sum_ran(reports: list[dict]) -> dict:
     """The :func:`ran` reports of several ranks, summed."""
-    total = {"exchanges": Counter(), "labels": Counter(), "v_first_calls": 0, "fallbacks": Counter()}
+    numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact")
+    total = {"exchanges": Counter(), "labels": Counter(), "fallbacks": Counter(), **dict.fromkeys(numbers, 0)}
     for report in reports:
         for key in ("exchanges", "labels", "fallbacks"):
             total[key].update(report[key])
-        total["v_first_calls"] += report["v_first_calls"]
+        for key in numbers:
+            total[key] += report[key]
     return {key: dict(value) if isinstance(value, Counter) else value for key, value in total.items()}
 
 

@@ -19,8 +19,9 @@ from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.verify import PROMPT, Run, compare
 
 MODELS = sorted(tiny_models.SPECS)
-# Models with classifier-free guidance (two batch halves) can split them over CFG ranks.
-CFG_MODELS = [m for m in MODELS if m != "tiny-flux"]
+# Models with classifier-free guidance (two batch halves) can split them over CFG ranks; the
+# FLUX ones are guidance-distilled or unguided.
+CFG_MODELS = [m for m in MODELS if tiny_models.SPECS[m].pipeline != "FluxPipeline"]
 # id -> (ulysses, ring, CFG parallel, emulated topology, cocodiff flags). On 2x2, ulysses 4 spans
 # two levels, so the hierarchical exchange is forced there (on loopback the autotune would pick
 # flat); ulysses 2 groups span one level and use a flat exchange.
@@ -74,6 +75,10 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
     assert ran["fallbacks"] == {}, ran
     if "--cocodiff_a2a" in LAYOUTS[layout][4]:
         assert set(ran["exchanges"]) == {"hierarchical"}, ran
+    # Lossless: the slow level carries what the exact exchange carries (half of it on 2 nodes).
+    assert ran["slow_link_bytes"] == ran["slow_link_bytes_exact"], ran
+    if layout == "u4r1":
+        assert ran["slow_link_bytes"] > 0, ran
     v_exchanges = sum(n for label, n in ran["labels"].items() if label.endswith(".v"))
     if variant == "cocodiff+vfirst":
         # Every V-First call exchanged its V first, and only V-First processors ran attention.

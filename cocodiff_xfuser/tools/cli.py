@@ -1,4 +1,4 @@
-"""The ``cocodiff`` command: ``verify``, ``demo`` and ``bench {a2a,e2e}``."""
+"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo`` and ``bench {a2a,e2e}``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import argparse
 import logging
 import sys
 
-from cocodiff_xfuser.tools import demo, verify
+from cocodiff_xfuser.tools import demo, quality, verify
 from cocodiff_xfuser.tools.launcher import TorchrunError
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
+from cocodiff_xfuser.tools.models import digits
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 
 
@@ -29,10 +30,27 @@ def _parser() -> argparse.ArgumentParser:
     verify_cmd.add_argument("--timeout", type=float, default=verify.TIMEOUT_S, help="seconds per torchrun job")
     verify_cmd.add_argument("--json", action="store_true", help="print one JSON object")
 
-    demo_cmd = sub.add_parser("demo", help="tiny FLUX on 4 CPU ranks (2 nodes x 2), stock vs cocodiff")
-    demo_cmd.add_argument("--out", default="demo-output", help="directory for the two images and the report")
-    demo_cmd.add_argument("--size", type=int, default=demo.SIZE, help="image height and width")
-    demo_cmd.add_argument("--steps", type=int, default=demo.STEPS)
+    quality_cmd = sub.add_parser(
+        "quality",
+        help="images of a cocodiff configuration vs stock Ulysses and one process: PSNR, SSIM, MS-SSIM, classifier",
+        description="Other flags (--cocodiff_a2a ..., any xdit flag) go to the cocodiff run unchanged.",
+    )
+    quality_cmd.add_argument("--model", choices=sorted(tiny_models.SPECS), default=digits.NAME)
+    quality_cmd.add_argument("--ulysses-degree", type=int, default=quality.DEFAULT_ULYSSES)
+    quality_cmd.add_argument("--ring-degree", type=int, default=1)
+    quality_cmd.add_argument("--topology", default=None, help="emulated NxL[xT]; default: 2 nodes x (ranks / 2)")
+    quality_cmd.add_argument("--prompts", default=None, help="comma-separated; default: every digit (digits-flux)")
+    quality_cmd.add_argument("--seeds", type=int, default=quality.DEFAULT_SEEDS, help="seeds per prompt")
+    quality_cmd.add_argument("--seed", type=int, default=0, help="the first seed")
+    quality_cmd.add_argument("--steps", type=int, default=None, help="default: the model's")
+    quality_cmd.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")
+    quality_cmd.add_argument("--out", default="quality-output", help="directory for quality.json and quality.png")
+    quality_cmd.add_argument("--timeout", type=float, default=quality.TIMEOUT_S, help="seconds for the torchrun job")
+    quality_cmd.add_argument("--json", action="store_true", help="print one JSON object")
+
+    demo_cmd = sub.add_parser("demo", help="the trained digits model on 4 CPU ranks (2 nodes x 2), stock vs cocodiff")
+    demo_cmd.add_argument("--out", default="demo-output", help="directory for the grid and the report")
+    demo_cmd.add_argument("--seed", type=int, default=0)
     demo_cmd.add_argument("--timeout", type=float, default=demo.TIMEOUT_S)
 
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run (emulated cluster: run as root)")
@@ -62,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "verify":  # only verify passes flags on (to xfuser's runner)
+    if extra and args.command not in ("verify", "quality"):  # these pass flags on to xfuser's runner
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     name = " ".join(filter(None, ("cocodiff", args.command, getattr(args, "kind", None))))
     try:
         if args.command == "verify":
             return verify.main(args, extra)
+        if args.command == "quality":
+            return quality.main(args, extra)
         if args.command == "demo":
             return demo.main(args)
         if args.command == "bench" and args.kind == "a2a":

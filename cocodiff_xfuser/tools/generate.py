@@ -2,10 +2,12 @@
 
 ``python -m cocodiff_xfuser.tools.generate --out DIR [--backends ulysses,cocodiff] <xdit flags>``
 runs the pipeline with the flags a user would give ``xdit`` (``--model`` may list several,
-comma-separated), once per model and backend (one
-process start for all of them: start-up dominates on small machines), and on the last rank
-(the one xfuser saves from) writes ``DIR/<model>/<backend>/images.npy`` (float images in
-[0, 1]) and ``result.json``, with what ran summed over the ranks (``ran``: exchanges per
+comma-separated), once per model and backend and, with ``--cases FILE`` (a JSON list of
+``[prompt, seed]``), once per case (one process start for all of them: start-up dominates
+on small machines). On the last rank (the one xfuser saves from) it writes
+``DIR/<model>/<backend>/images.npy`` (float images in [0, 1], the cases' images in order),
+``DIR/progress.json`` (pipeline calls done and due) as it goes, and
+``result.json``, with what ran summed over the ranks (``ran``: exchanges per
 algorithm and label, V-First calls, fall-backs) and, under ``COCODIFF_ORDER_AUDIT=1``, every
 rank's collective launches (``launches``). ``verify``, ``demo``, the benchmarks and the tests
 read these.
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     ours.add_argument("--out", required=True, type=Path)
     ours.add_argument("--backends", default=None, help=f"comma-separated from {sorted(VARIANTS)}; default: the flags")
     ours.add_argument("--save-png", action="store_true")
+    ours.add_argument("--cases", type=Path, default=None, help="JSON list of [prompt, seed]; default: the flags'")
     ours.add_argument("--repeat", type=int, default=0, help="after a first (warm-up, autotuning) run, time this many runs")
     ours.add_argument("--sync-dir", type=Path, default=None, help="with --repeat: hand-shake files around the timed runs")
     mine, runner_argv = ours.parse_known_args(argv)
@@ -62,6 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     from cocodiff_xfuser import commstats
     from cocodiff_xfuser.comm import order
 
+    cases = json.loads(mine.cases.read_text()) if mine.cases else [[base["prompt"], base["seed"]]]
+    if mine.repeat and len(cases) > 1:
+        raise SystemExit("--repeat times one case; give --cases with one [prompt, seed] or no --cases")
+    if is_last_process():
+        mine.out.mkdir(parents=True, exist_ok=True)
+    progress = {"done": 0, "total": len(models) * len(backends) * len(cases)}
     runner = None
     for model in models:
         for backend in backends:
@@ -72,15 +81,25 @@ def main(argv: list[str] | None = None) -> None:
             input_args = runner.preprocess_args(args)
             input_args["output_type"] = "np"
             runner.initialize(input_args)
-            output, timings = runner.run(input_args)
+            images, timings = [], []
+            for prompt, seed in cases:
+                input_args.update(prompt=prompt, seed=seed)
+                output, case_timings = runner.run(input_args)
+                images += list(output.images)
+                timings += case_timings
+                progress["done"] += 1
+                if is_last_process():
+                    (mine.out / "progress.json").write_text(json.dumps(progress))
             comm = None
             if mine.repeat:
                 output, timings, comm = _timed_runs(runner, input_args, mine.repeat, mine.sync_dir)
+                images = list(output.images)
             ran = commstats.sum_ran(_gather(commstats.ran()))
             launches = _gather(order.launches()[launched_before:])
             if is_last_process():
                 path = output_dir(mine.out, model, backend)
-                _save(path, output, timings, input_args, comm, mine.save_png, ran, launches if order.auditing() else None)
+                _save(path, images, timings, input_args, comm, mine.save_png, ran, launches if order.auditing() else None,
+                      cases)
     if runner is not None:
         runner.cleanup()
 
@@ -138,10 +157,18 @@ def _handshake(sync_dir: Path | None, name: str, timeout_s: float = 300.0) -> No
 
 
 def _save(
-    out: Path, output, timings: list, args: dict, comm: dict | None, save_png: bool, ran: dict, launches: list | None
+    out: Path,
+    images: list,
+    timings: list,
+    args: dict,
+    comm: dict | None,
+    save_png: bool,
+    ran: dict,
+    launches: list | None,
+    cases: list,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    images = np.stack([np.asarray(image) for image in output.images])
+    images = np.stack([np.asarray(image) for image in images])
     np.save(out / "images.npy", images)
     if save_png:
         from diffusers.utils import numpy_to_pil
@@ -156,6 +183,7 @@ def _save(
         "seconds": statistics.median(timings) if timings else None,
         "timings": timings,
         "steps": args.get("num_inference_steps"),
+        "cases": cases,
         "comm": comm,
         "ran": ran,
         "launches": launches,

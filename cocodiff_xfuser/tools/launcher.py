@@ -7,7 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Mapping, Sequence
+import time
+from typing import Callable, Mapping, Sequence
 
 
 class TorchrunError(RuntimeError):
@@ -41,12 +42,14 @@ def torchrun(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     tail_chars: int = 6000,
+    while_running: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m torch.distributed.run --nproc-per-node nproc ... *argv`` and wait.
 
     ``argv`` is what follows torchrun's own options: a script and its arguments, or
     ``["-m", "module", ...]``. ``env`` is added to the current environment (``OMP_NUM_THREADS``
-    defaults to 1). Returns the completed process with text stdout/stderr; raises
+    defaults to 1). ``while_running`` is called about once a second until the job ends (a
+    progress bar). Returns the completed process with text stdout/stderr; raises
     ``TorchrunError`` on a non-zero exit or on timeout (after killing torchrun and its workers).
     """
     port = master_port or free_port(master_addr)
@@ -63,8 +66,17 @@ def torchrun(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
     )
     timed_out = False
+    deadline = time.monotonic() + timeout
     try:
-        out, err = proc.communicate(timeout=timeout)
+        while True:
+            try:
+                out, err = proc.communicate(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise
+                if while_running is not None:
+                    while_running()
     except subprocess.TimeoutExpired:
         timed_out = True
         _kill_tree(proc.pid)

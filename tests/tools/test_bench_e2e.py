@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -12,7 +13,7 @@ from cocodiff_xfuser.tools.bench import e2e as bench_e2e
 ok, why = fabric.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"emulated fabric unavailable: {why}")
 
-CONFIG_KEYS = ("name", "step_s", "comm_s", "slow_link_bytes", "max_abs_diff", "psnr", "speedup_vs_stock")
+CONFIG_KEYS = ("name", "step_s", "comm_s", "slow_link_bytes", "max_abs_diff", "psnr_db", "ssim", "speedup_vs_stock")
 
 
 def test_e2e_smoke_is_lossless_and_complete():
@@ -25,6 +26,6 @@ def test_e2e_smoke_is_lossless_and_complete():
         assert all(key in config for key in CONFIG_KEYS), config
         assert config["step_s"] > 0 and config["comm_s"] > 0 and config["slow_link_bytes"] > 0
         # Every mechanism so far is lossless.
-        assert config["bitwise_equal"] and config["max_abs_diff"] == 0.0 and config["psnr"] is None
+        assert config["bitwise_equal"] and config["max_abs_diff"] == 0.0 and math.isinf(config["psnr_db"])
     vfirst = report["configs"][-1]
     assert {o["label"] for o in vfirst["v_overlap"]} == {"flux.double.v", "flux.single.v"}

@@ -41,12 +41,17 @@ def test_verify_reports_what_ran_with_v_first():
     assert ours["v_first_calls"] == 4 * 4 * 4  # ranks x attention modules x steps
 
 
-def test_demo_prints_the_table_and_saves_both_images(tmp_path):
-    result = _cocodiff("demo", "--out", str(tmp_path), "--size", "64", "--steps", "2")
+def test_demo_shows_every_digit_bitwise_equal(tmp_path):
+    result = _cocodiff("demo", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "stock-ulysses" in result.stdout and "cocodiff" in result.stdout
-    assert (tmp_path / "stock.png").stat().st_size > 0 and (tmp_path / "cocodiff.png").stat().st_size > 0
-    assert json.loads((tmp_path / "report.json").read_text())["bitwise_equal"] is True
+    assert "BITWISE EQUAL" in result.stdout and "cocodiff bench e2e" in result.stdout
+    report = json.loads((tmp_path / "quality.json").read_text())
+    assert report["identical"] is True and report["cases"] == 10 and report["psnr_db"] == float("inf")
+    # Reported for both (the >= 90% claim is tested on 30 samples in test_digits.py).
+    assert report["classifier_agreement"] == report["reference_classifier_agreement"] is not None
+    ran = report["ran"]["cocodiff"]
+    assert ran["v_first_calls"] > 0 and "stock" not in ran["exchanges"] and ran["fallbacks"] == {}, ran
+    assert (tmp_path / "digits.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(
@@ -74,7 +79,7 @@ def test_unknown_model_is_rejected_by_the_cli():
     [
         (("verify", "--model", "tiny-flux", "--ulysses-degree", "3"), "not divisible by ulysses degree 3"),
         (("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "3x2"), "world size"),
-        (("demo", "--size", "0"), "size"),
+        (("quality", "--ulysses-degree", "3"), "not divisible by ulysses degree 3"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

@@ -10,7 +10,6 @@ denoising step.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cocodiff_xfuser.tools import quality
 from cocodiff_xfuser.tools.bench import one_at_a_time
 from cocodiff_xfuser.tools.bench.a2a import topology_for
 from cocodiff_xfuser.tools.fabric import Fabric
@@ -74,10 +74,10 @@ def _run_config(fabric: Fabric, run: Run, variant: str, repeat: int, work: Path,
     return report
 
 
-def _psnr(reference: np.ndarray, candidate: np.ndarray) -> float | None:
-    """PSNR in dB of images in [0, 1]; None when identical (infinite)."""
-    mse = float(np.mean((reference.astype(np.float64) - candidate.astype(np.float64)) ** 2))
-    return None if mse == 0 else 10 * math.log10(1.0 / mse)
+def _quality(reference: np.ndarray, candidate: np.ndarray) -> dict:
+    """PSNR (infinite when identical), SSIM and MS-SSIM against stock, as ``cocodiff quality`` measures them."""
+    summary = quality.aggregate(reference, candidate, [quality.image_metrics(r, c) for r, c in zip(reference, candidate)])
+    return {key: summary[key] for key in ("psnr_db", "ssim", "ms_ssim")}
 
 
 def bench_e2e(
@@ -122,7 +122,7 @@ def bench_e2e(
                 "v_overlap": [o for o in comm["overlap"] if o["label"].endswith(".v")],
                 "max_abs_diff": diff["max_abs_diff"],
                 "bitwise_equal": diff["bitwise_equal"],
-                "psnr": _psnr(stock["images"], r["images"]),
+                **_quality(stock["images"], r["images"]),
                 "speedup_vs_stock": stock["seconds"] / r["seconds"],
             }
         )
@@ -157,7 +157,7 @@ def format_report(report: dict) -> str:
         f"{'speedup':>8} {'max|diff|':>10} {'PSNR dB':>8}",
     ]
     for c in report["configs"]:
-        psnr = "inf" if c["psnr"] is None else f"{c['psnr']:.1f}"
+        psnr = f"{c['psnr_db']:.1f}"
         lines.append(
             f"{c['name']:<13} {c['step_s'] * 1e3:8.1f} {c['comm_s'] * 1e3:8.1f} {c['comm_exposed_s'] * 1e3:8.1f} "
             f"{c['comm_hidden_s'] * 1e3:8.1f} {c['slow_link_bytes'] / 1024:9.0f} {c['speedup_vs_stock']:7.2f}x "

@@ -1,7 +1,9 @@
-"""Tiny, seeded, random-weight versions of real DiT families, registered in xfuser's model registry.
+"""Small versions of real DiT families, registered in xfuser's model registry.
 
-Each is built from a small diffusers config (no hub access), written with ``save_pretrained``
-to a local fixture directory and loaded back through xfuser's own runner loading code, so
+The ``tiny-*`` models have seeded random weights: each is built from a small diffusers config
+(no hub access) and written with ``save_pretrained`` to a local fixture directory.
+``digits-flux`` is trained (:mod:`cocodiff_xfuser.tools.models.digits`) and shipped as a
+checkpoint. All are loaded through xfuser's own runner loading code, so
 ``xdit --model cocodiff/tiny-flux ...`` exercises the real path. There are no text encoders:
 the prompt embeddings are a seeded function of the prompt (:func:`prompt_embeddings`).
 """
@@ -20,6 +22,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from cocodiff_xfuser.tools.models import digits
+
 FIXTURE_VERSION = "2"  # 2: transformer weights rounded to bf16 values
 DTYPE = torch.float32  # bitwise comparisons on CPU; bf16 matmuls are slow there
 
@@ -37,7 +41,7 @@ class TinySpec:
     heads: int
     text_len: int
     text_dim: int
-    build: Callable[[], dict]  # component name -> module or scheduler
+    build: Callable[[], dict] | None  # component name -> module or scheduler; None for a shipped checkpoint
     call_kwargs: Callable[["TinySpec", dict], dict]  # (spec, input args) -> text embeddings, guidance overrides
     pooled_dim: int | None = None
     height: int = 64
@@ -47,6 +51,7 @@ class TinySpec:
     frames: int | None = None  # video models: frames to generate, returned as the runner's images
     wrapper_kwargs: Callable[[object], dict] | None = None  # xFuserArgs -> transformer wrapper init kwargs
     runner_sets_input: bool = False  # the runner, not the pipeline, calls set_input_parameters (FLUX)
+    checkpoint: Path | None = None  # a trained model shipped with the package (instead of ``build``)
 
     @property
     def model_id(self) -> str:
@@ -263,6 +268,7 @@ def _wan_wrapper_kwargs(config) -> dict:
 
 
 _XFUSER = "xfuser.model_executor"
+_FLUX_WRAPPER = f"{_XFUSER}.models.transformers.transformer_flux:xFuserFlux1Transformer2DWrapper"
 
 SPECS: dict[str, TinySpec] = {
     spec.name: spec
@@ -270,7 +276,7 @@ SPECS: dict[str, TinySpec] = {
         TinySpec(
             name="tiny-flux",
             pipeline="FluxPipeline",
-            wrapper=f"{_XFUSER}.models.transformers.transformer_flux:xFuserFlux1Transformer2DWrapper",
+            wrapper=_FLUX_WRAPPER,
             heads=8,
             text_len=32,
             text_dim=32,
@@ -327,6 +333,23 @@ SPECS: dict[str, TinySpec] = {
             call_kwargs=_pixart_call,
             guidance_scale=4.5,
         ),
+        TinySpec(
+            name=digits.NAME,
+            pipeline="FluxPipeline",
+            wrapper=_FLUX_WRAPPER,
+            heads=digits.HEADS,
+            text_len=digits.TEXT_LEN,
+            text_dim=digits.TEXT_DIM,
+            pooled_dim=digits.POOLED_DIM,
+            build=None,
+            call_kwargs=_flux_call,
+            height=digits.SIZE,
+            width=digits.SIZE,
+            steps=digits.STEPS,
+            guidance_scale=1.0,  # no guidance embedding, no CFG
+            runner_sets_input=True,
+            checkpoint=digits.CHECKPOINT,
+        ),
     )
 }
 
@@ -336,13 +359,22 @@ def cache_dir() -> Path:
 
 
 def fixture_path(name: str) -> Path:
-    return cache_dir() / f"{name}-v{FIXTURE_VERSION}"
+    spec = SPECS[name]
+    return spec.checkpoint or cache_dir() / f"{name}-v{FIXTURE_VERSION}"
 
 
 def ensure_fixture(name: str) -> Path:
-    """Build and save the tiny model once; concurrent ranks race safely via an atomic rename."""
+    """The model's directory: a shipped checkpoint, or the tiny model built and saved once
+    (concurrent ranks race safely via an atomic rename)."""
     spec = SPECS[name]
     path = fixture_path(name)
+    if spec.checkpoint is not None:
+        if not (path / "model_index.json").exists():
+            raise ValueError(f"{spec.model_id}: no checkpoint at {path}; train it with scripts/train_tiny.py")
+        # The checkpoint's model_index.json names this module; diffusers finds it in sys.modules.
+        import cocodiff_xfuser.tools.models.pixel_shuffle  # noqa: F401
+
+        return path
     if (path / "model_index.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,19 +440,22 @@ def _images(spec: TinySpec, output) -> list:
     return list(output.frames[0] if spec.frames else output.images)
 
 
-def reference_images(name: str, prompt: str, seed: int = 42, height: int | None = None, width: int | None = None) -> np.ndarray:
+def reference_images(
+    name: str, prompt: str, seed: int = 42, height: int | None = None, width: int | None = None, steps: int | None = None
+) -> np.ndarray:
     """The spec's run in one process with plain diffusers (no xfuser): float images in [0, 1]."""
     import diffusers
 
     spec = SPECS[name]
     path = str(ensure_fixture(name))
     pipe = getattr(diffusers, spec.pipeline).from_pretrained(path, dtype=DTYPE, **_absent_components(path))
+    pipe.set_progress_bar_config(disable=True)
     input_args = {
         "prompt": prompt,
         "height": height or spec.height,
         "width": width or spec.width,
         "num_frames": spec.frames,
-        "num_inference_steps": spec.steps,
+        "num_inference_steps": steps or spec.steps,
         "guidance_scale": spec.guidance_scale,
         "output_type": "np",
     }

@@ -1,0 +1,65 @@
+"""``cocodiff quality``: metrics from the maintained libraries, and a lossless run reported as such."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from skimage.metrics import peak_signal_noise_ratio
+
+from cocodiff_xfuser.tools import quality
+
+
+def test_identical_images_have_infinite_psnr_and_unit_similarity():
+    image = np.random.default_rng(0).random((64, 64, 3)).astype(np.float32)
+    metrics = quality.image_metrics(image, image.copy())
+    assert metrics["identical"] and math.isinf(metrics["psnr_db"]) and metrics["max_abs_diff"] == 0
+    assert metrics["ssim"] == pytest.approx(1.0) and metrics["ms_ssim"] == pytest.approx(1.0)
+
+
+def test_different_images_are_measured_by_the_libraries():
+    rng = np.random.default_rng(1)
+    reference = rng.random((2, 64, 64, 3))
+    candidate = np.clip(reference + rng.normal(0, 0.01, reference.shape), 0, 1)
+    per_image = [quality.image_metrics(r, c) for r, c in zip(reference, candidate)]
+    assert per_image[0]["psnr_db"] == pytest.approx(peak_signal_noise_ratio(reference[0], candidate[0], data_range=1.0))
+    summary = quality.aggregate(reference, candidate, per_image)
+    assert not summary["identical"] and 35 < summary["psnr_db"] < 45 and summary["min_psnr_db"] <= summary["psnr_db"] + 0.1
+    assert 0.9 < summary["ssim"] < 1 and 0.9 < summary["ms_ssim"] < 1
+
+
+def test_grid_has_a_column_per_case_and_three_rows(tmp_path):
+    from PIL import Image
+
+    images = np.zeros((3, 64, 64, 3))
+    quality.save_grid(images, images + 0.5, tmp_path / "grid.png")
+    grid = np.asarray(Image.open(tmp_path / "grid.png"))
+    assert grid.shape == (3 * 64, 3 * 64, 3)
+    assert (grid[64:128] == 128).all() and (grid[128:] == 255).all()  # candidate; 10x |diff| clipped
+
+
+def test_lossless_configuration_reports_identical_images(tmp_path):
+    """The CLI on the trained model, TAPA forced through a passed-on xdit flag: identical images,
+    nothing saved on the slow link, and proof that the forced exchange ran."""
+    cocodiff = os.path.join(os.path.dirname(sys.executable), "cocodiff")
+    result = subprocess.run(
+        [cocodiff, "quality", "--model", "digits-flux", "--prompts", "digit 3,digit 7", "--seeds", "1",
+         "--out", str(tmp_path), "--json", "--cocodiff_a2a", "hierarchical"],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["identical"] is True and math.isinf(report["psnr_db"]) and report["ssim"] == pytest.approx(1.0)
+    assert report["slow_link_bytes"] > 0 and report["slow_link_bytes_saved_fraction"] == 0.0
+    assert report["classifier_agreement"] == report["reference_classifier_agreement"] is not None
+    assert report["step_s"] > 0 and report["reference_step_s"] > 0
+    assert set(report["ran"]["cocodiff"]["exchanges"]) == {"hierarchical"}, report["ran"]
+    assert report["ran"]["cocodiff"]["fallbacks"] == {} and set(report["ran"]["ulysses"]["exchanges"]) == {"stock"}
+    assert [image["prompt"] for image in report["images"]] == ["digit 3", "digit 7"]
+    assert json.loads((tmp_path / "quality.json").read_text())["cases"] == 2
+    assert (tmp_path / "quality.png").stat().st_size > 0
