@@ -10,9 +10,9 @@ models (``xdit --model cocodiff/digits-flux --prompt "digit 7"``).
 - **Conditioning**: the prompt embeddings of ``"digit 0"`` ... ``"digit 9"`` from the
   project's deterministic stand-in text encoder (:func:`tiny.prompt_embeddings`), so the
   prompt selects the class with no text model. Other prompts give no particular digit.
-- **Autoencoder**: :class:`~cocodiff_xfuser.tools.models.pixel_shuffle.PixelShuffleAutoencoder`, an exact pixel (un)shuffle: the 2x2
-  pixels of the gray image become 4 latent channels at 32x32 (FluxPipeline packs them again
-  into 256 image tokens of 16 channels). Nothing is learned or lost there, so the decoded
+- **Autoencoder**: :class:`~.pixel_shuffle.PixelShuffleAutoencoder`, an exact pixel
+  (un)shuffle: the 2x2 pixels of the gray image become 4 latent channels at 32x32
+  (FluxPipeline packs them again into 256 image tokens of 16 channels). Nothing is learned or lost there, so the decoded
   images are exactly what the transformer generated.
 - **Transformer**: ``FluxTransformer2DModel``, 2 double and 4 single blocks, 8 heads of 16,
   no guidance embedding (FLUX-schnell style), trained with rectified flow as FLUX uses it.
