@@ -27,7 +27,7 @@ from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import digits
 from cocodiff_xfuser.tools.models import tiny as tiny_models
-from cocodiff_xfuser.tools.verify import PROMPT, REFERENCE, Run
+from cocodiff_xfuser.tools.verify import PROMPT, REFERENCE, Run, compare
 
 DEFAULT_SEEDS = 2
 DEFAULT_ULYSSES = 4
@@ -53,13 +53,14 @@ def image_metrics(reference: np.ndarray, candidate: np.ndarray) -> dict:
     from pytorch_msssim import ms_ssim
     from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
-    identical = reference.tobytes() == candidate.tobytes()
+    diff = compare(reference, candidate)
+    identical = diff["bitwise_equal"]
     ref, cand = reference.astype(np.float64), candidate.astype(np.float64)
     as_batch = [torch.from_numpy(a).permute(2, 0, 1)[None] for a in (ref, cand)]
     multiscale = min(ref.shape[:2]) >= MS_SSIM_MIN_SIDE
     return {
         "identical": identical,
-        "max_abs_diff": float(np.abs(ref - cand).max()),
+        "max_abs_diff": diff["max_abs_diff"],
         "psnr_db": math.inf if identical else float(peak_signal_noise_ratio(ref, cand, data_range=1.0)),
         "ssim": float(structural_similarity(ref, cand, channel_axis=-1, data_range=1.0)),
         "ms_ssim": float(ms_ssim(*as_batch, data_range=1.0, win_size=MS_SSIM_WINDOW)) if multiscale else None,
@@ -82,6 +83,12 @@ def aggregate(reference: np.ndarray, candidate: np.ndarray, per_image: list[dict
         "ms_ssim": None if per_image[0]["ms_ssim"] is None else float(np.mean([m["ms_ssim"] for m in per_image])),
         "max_abs_diff": max(m["max_abs_diff"] for m in per_image),
     }
+
+
+def measure_images(reference: np.ndarray, candidate: np.ndarray) -> tuple[list[dict], dict]:
+    """:func:`image_metrics` of every image, and their :func:`aggregate`."""
+    per_image = [image_metrics(r, c) for r, c in zip(reference, candidate)]
+    return per_image, aggregate(reference, candidate, per_image)
 
 
 def save_grid(reference: np.ndarray, candidate: np.ndarray, path: Path) -> None:
@@ -145,8 +152,7 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
         for prompt, seed in _maybe_bar(cases, progress, "one process")
     ])
     stock, ours = results["ulysses"], results["cocodiff"]
-    per_image = [image_metrics(r, c) for r, c in zip(stock["images"], ours["images"])]
-    summary = aggregate(stock["images"], ours["images"], per_image)
+    per_image, summary = measure_images(stock["images"], ours["images"])
     ran = ours["ran"]
     exact = ran["slow_link_bytes_exact"]
     report = {
@@ -161,8 +167,8 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
         "steps": ours["steps"],
         **summary,
         "vs_single_process": {
-            "stock_max_abs_diff": float(np.abs(stock["images"].astype(np.float64) - single).max()),
-            "candidate_max_abs_diff": float(np.abs(ours["images"].astype(np.float64) - single).max()),
+            "stock_max_abs_diff": compare(single, stock["images"])["max_abs_diff"],
+            "candidate_max_abs_diff": compare(single, ours["images"])["max_abs_diff"],
         },
         "classifier_agreement": None,
         "reference_classifier_agreement": None,
@@ -178,9 +184,10 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
     }
     if run.model == digits.NAME:
         classifier = digits.Classifier()
-        labelled = [(i, digits.label(prompt)) for i, (prompt, _) in enumerate(cases) if digits.label(prompt) is not None]
-        if labelled:
-            rows, wanted = map(list, zip(*labelled))
+        asked = [digits.label(prompt) for prompt, _ in cases]
+        rows = [i for i, label in enumerate(asked) if label is not None]
+        if rows:
+            wanted = [asked[i] for i in rows]
             for key, images in (("classifier_agreement", ours["images"]), ("reference_classifier_agreement", stock["images"])):
                 report[key] = float((classifier.predict(images[rows]) == np.array(wanted)).mean())
         for entry, predicted in zip(report["images"], classifier.predict(ours["images"])):

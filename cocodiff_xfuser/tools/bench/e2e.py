@@ -76,7 +76,7 @@ def _run_config(fabric: Fabric, run: Run, variant: str, repeat: int, work: Path,
 
 def _quality(reference: np.ndarray, candidate: np.ndarray) -> dict:
     """PSNR (infinite when identical), SSIM and MS-SSIM against stock, as ``cocodiff quality`` measures them."""
-    summary = quality.aggregate(reference, candidate, [quality.image_metrics(r, c) for r, c in zip(reference, candidate)])
+    _, summary = quality.measure_images(reference, candidate)
     return {key: summary[key] for key in ("psnr_db", "ssim", "ms_ssim")}
 
 

@@ -10,6 +10,7 @@ the prompt embeddings are a seeded function of the prompt (:func:`prompt_embeddi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -440,16 +441,23 @@ def _images(spec: TinySpec, output) -> list:
     return list(output.frames[0] if spec.frames else output.images)
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_pipeline(name: str):
+    """The model as plain diffusers loads it, once per process (references run it per case)."""
+    import diffusers
+
+    path = str(ensure_fixture(name))
+    pipe = getattr(diffusers, SPECS[name].pipeline).from_pretrained(path, dtype=DTYPE, **_absent_components(path))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def reference_images(
     name: str, prompt: str, seed: int = 42, height: int | None = None, width: int | None = None, steps: int | None = None
 ) -> np.ndarray:
     """The spec's run in one process with plain diffusers (no xfuser): float images in [0, 1]."""
-    import diffusers
-
     spec = SPECS[name]
-    path = str(ensure_fixture(name))
-    pipe = getattr(diffusers, spec.pipeline).from_pretrained(path, dtype=DTYPE, **_absent_components(path))
-    pipe.set_progress_bar_config(disable=True)
+    pipe = _plain_pipeline(name)
     input_args = {
         "prompt": prompt,
         "height": height or spec.height,
