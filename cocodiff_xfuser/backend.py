@@ -17,8 +17,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import faults, order
+from cocodiff_xfuser import commstats, vmajor
+from cocodiff_xfuser.comm import faults, order, sparse
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
@@ -39,6 +39,7 @@ class Options:
     topology: str | None = None  # NxL[xT], a preset name/path, or None/"auto" to detect
     a2a: str = "auto"  # all-to-all: one of A2A_SETTINGS
     v_first: bool = False
+    v_major: vmajor.Settings | None = None  # None: off (V-Major implies V-First)
     timeout_s: float = faults.DEFAULT_TIMEOUT_S  # bound on every exchange and wait (--cocodiff-timeout)
 
     def __post_init__(self) -> None:
@@ -86,11 +87,21 @@ class CocodiffBackend:
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
         self._slow_share = _slow_link_share(self.topology, dist.get_process_group_ranks(group), self.rank)
+        self.slow_level = self._slow_level(groups) if agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)") else None
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
         # What decisions are only valid for (kept: at exit the process groups may be gone).
         self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
         self._decisions_file = self._load_decisions()
+
+    def _slow_level(self, groups: list[list[int]]) -> sparse.SlowLevel | None:
+        """Where V-Major's sparse exchanges cross nodes (collective: builds their sub-groups)."""
+        level = sparse.build_slow_levels(self.topology, groups)[tuple(sorted(dist.get_process_group_ranks(self.group)))]
+        if not level.exists:
+            logger.warning("cocodiff: V-Major off: the Ulysses group has no ranks on other nodes (topology %s)", self.topology)
+            commstats.count_fallback("v-major: no slow level")
+            return None
+        return level
 
     def _load_decisions(self) -> str | None:
         """Rank 0's ``$COCODIFF_A2A_DECISIONS`` and its contents, on every rank (so every rank skips
@@ -124,7 +135,7 @@ class CocodiffBackend:
             with open(self._decisions_file, "w") as f:
                 f.write(text)
 
-    def _algorithm(self, x: torch.Tensor, label: str) -> str:
+    def _choose(self, x: torch.Tensor) -> str:
         if self.exchange.measures(x, self.group):
             # The autotune's timings must not share the links with exchanges still in flight
             # (V's, under V-First): complete them first, at the same program point on every rank.
@@ -132,7 +143,10 @@ class CocodiffBackend:
                 if not pending.done:
                     pending.wait()
         self._pending = [p for p in self._pending if not p.done]
-        algorithm = self.exchange.choose(x, self.group)
+        return self.exchange.choose(x, self.group)
+
+    def _algorithm(self, x: torch.Tensor, label: str) -> str:
+        algorithm = self._choose(x)
         slow = int(x.numel() * x.element_size() * self._slow_share)
         commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=slow)
         return algorithm
@@ -167,6 +181,26 @@ class CocodiffBackend:
         return handle
 
     @torch.compiler.disable
+    def start_sparse(
+        self, x: torch.Tensor, rows: torch.Tensor, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool
+    ) -> _Reshaping:
+        """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
+        other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
+        add). Routed like the exact exchange of the same size (two phases where the autotune chose TAPA)."""
+        algorithm = "v-major"
+        try:
+            two_phase = self.slow_level.regular and self._choose(x.flatten()) == "hierarchical"
+            algorithm = f"v-major {'two-phase' if two_phase else 'one-phase'}"
+            slow, exact = sparse.sent_bytes(x, rows, self.slow_level)
+            commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
+            exchange = sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into, residual)
+            handle = _Reshaping(self, exchange, into.shape, label, algorithm)
+        except RuntimeError as e:
+            self._abort(label, algorithm, e)
+        self._pending.append(handle)
+        return handle
+
+    @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
         flat = x.flatten()
@@ -183,6 +217,7 @@ class CocodiffBackend:
         return (
             f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
             f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
+            f"V-Major {self.options.v_major.describe() if self.slow_level else 'off'}, "
             f"timeout {self.options.timeout_s:g} s"
         )
 

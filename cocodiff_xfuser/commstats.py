@@ -58,6 +58,8 @@ class _Ran:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> count
     slow_link_bytes: int = 0
     slow_link_bytes_exact: int = 0
+    # V-Major: (step, layer) -> [active tokens, tokens] summed over the layer's calls at that step.
+    v_major: dict = field(default_factory=dict)
 
 
 _totals = _Totals()
@@ -80,9 +82,17 @@ def count_fallback(reason: str) -> None:
     _ran.fallbacks[reason] += 1
 
 
+def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
+    counts = _ran.v_major.setdefault((step, layer), [0, 0])
+    counts[0] += active
+    counts[1] += tokens
+
+
 def ran() -> dict:
     """This rank's counts since the last :func:`reset_ran`: ``exchanges`` (per algorithm), ``labels``,
-    ``v_first_calls``, ``fallbacks`` (per reason), ``slow_link_bytes`` and ``slow_link_bytes_exact``."""
+    ``v_first_calls``, ``fallbacks`` (per reason), ``slow_link_bytes`` and ``slow_link_bytes_exact``,
+    and ``v_major``: the tokens V-Major sent over slow links, ``active``, of ``tokens``, in total,
+    per step and per layer."""
     return {
         "exchanges": dict(_ran.exchanges),
         "labels": dict(_ran.labels),
@@ -90,6 +100,21 @@ def ran() -> dict:
         "fallbacks": dict(_ran.fallbacks),
         "slow_link_bytes": _ran.slow_link_bytes,
         "slow_link_bytes_exact": _ran.slow_link_bytes_exact,
+        "v_major": _v_major_report(_ran.v_major),
+    }
+
+
+def _v_major_report(counts: dict) -> dict:
+    def share(items) -> dict:
+        active, tokens = (sum(c[i] for c in items) for i in (0, 1))
+        return {"active": active, "tokens": tokens}
+
+    steps = sorted({s for s, _ in counts})
+    layers = sorted({layer for _, layer in counts})
+    return {
+        **share(counts.values()),
+        "per_step": {str(s): share([c for (t, _), c in counts.items() if t == s]) for s in steps},
+        "per_layer": {str(l): share([c for (_, m), c in counts.items() if m == l]) for l in layers},
     }
 
 
@@ -102,7 +127,21 @@ def sum_ran(reports: list[dict]) -> dict:
             total[key].update(report[key])
         for key in numbers:
             total[key] += report[key]
-    return {key: dict(value) if isinstance(value, Counter) else value for key, value in total.items()}
+    summed = {key: dict(value) if isinstance(value, Counter) else value for key, value in total.items()}
+    summed["v_major"] = _sum_shares([r["v_major"] for r in reports if "v_major" in r])
+    return summed
+
+
+def _sum_shares(reports: list[dict]) -> dict:
+    """V-Major reports of several ranks, summed (the same nesting of active/tokens counts)."""
+    total: dict = {}
+    for report in reports:
+        for key, value in report.items():
+            if isinstance(value, dict):
+                total[key] = _sum_shares([total.get(key, {}), value])
+            else:
+                total[key] = total.get(key, 0) + value
+    return total
 
 
 def reset_ran() -> None:

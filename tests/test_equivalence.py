@@ -36,7 +36,15 @@ CASES = [(model, name) for name, layout in LAYOUTS.items() for model in (CFG_MOD
 # attention, ring merges). Images are in [0, 1].
 SINGLE_PROCESS_ATOL = 2e-3
 SEED = 42
-BACKENDS = ("ulysses", "cocodiff", "cocodiff+vfirst")
+# V-Major with a zero threshold (and no warm-up) sends every token that changed at all, so it
+# must be bitwise equal too, while its sparse exchanges (masks, uneven sizes, caches) all run.
+V_MAJOR_EXACT = {
+    "cocodiff+vmajor0": {
+        "sp_backend": "cocodiff", "cocodiff_v_major": "on", "cocodiff_v_major_policy": "threshold",
+        "cocodiff_v_major_threshold": 0.0, "cocodiff_v_major_warmup_steps": 0,
+    }
+}
+BACKENDS = ("ulysses", "cocodiff", "cocodiff+vfirst", *V_MAJOR_EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +56,8 @@ def generated(tmp_path_factory) -> dict[str, Path]:
         out = tmp_path_factory.mktemp(layout)
         models = CFG_MODELS if cfg else MODELS
         run = Run(model=models[0], ulysses_degree=ulysses, ring_degree=ring, cfg=cfg, topology=topology, seed=SEED, extra=flags)
-        argv = run.argv(BACKENDS, out)
+        (out / "variants.json").write_text(json.dumps(V_MAJOR_EXACT))
+        argv = run.argv(BACKENDS, out) + ["--variants", str(out / "variants.json")]
         argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in models)
         launcher.torchrun(run.world_size, argv, timeout=900)
         outputs[layout] = out
@@ -72,6 +81,9 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
     assert set(stock["exchanges"]) == {"stock"} and stock["v_first_calls"] == 0, stock
     # The cocodiff path ran: every exchange through the backend, no fall-back of any kind.
     assert ran["exchanges"] and "stock" not in ran["exchanges"], ran
+    if variant in V_MAJOR_EXACT:
+        _assert_v_major_ran(ran, layout)
+        return
     assert ran["fallbacks"] == {}, ran
     if "--cocodiff_a2a" in LAYOUTS[layout][4]:
         assert set(ran["exchanges"]) == {"hierarchical"}, ran
@@ -89,6 +101,17 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
     if (model, layout) == ("tiny-flux", "u4r1") and variant == "cocodiff+vfirst":
         # 4 ranks x 4 attention modules (2 double + 2 single blocks) x 4 steps.
         assert ran["v_first_calls"] == 4 * 4 * 4, ran
+
+
+def _assert_v_major_ran(ran: dict, layout: str) -> None:
+    ulysses, _, _, topology, flags = LAYOUTS[layout]
+    if ulysses == 4 or topology == "2x1":  # the Ulysses groups span both nodes
+        sparse = {"v-major two-phase"} if "--cocodiff_a2a" in flags else {"v-major one-phase", "v-major two-phase"}
+        assert set(ran["exchanges"]) & sparse and ran["v_major"]["tokens"] > 0, ran
+        assert ran["fallbacks"] == {} and ran["v_first_calls"] > 0, ran
+    else:  # the Ulysses groups stay on one node: V-Major has nothing to spare, and says so
+        assert ran["fallbacks"] == {"v-major: no slow level": ran["fallbacks"].get("v-major: no slow level")}, ran
+        assert not any(name.startswith("v-major") for name in ran["exchanges"]), ran
 
 
 @pytest.mark.parametrize("model, layout", CASES)

@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from cocodiff_xfuser import vmajor
+
 logger = logging.getLogger("cocodiff_xfuser")
 
 
@@ -63,11 +65,12 @@ def _unused_processors(transformer: torch.nn.Module) -> set[int]:
     return {id(m.module) for m in transformer.modules() if isinstance(m, xFuserLayerBaseWrapper)}
 
 
-def install(transformer: torch.nn.Module) -> int:
+def install(transformer: torch.nn.Module, v_major: vmajor.Settings | None = None) -> int:
     """Swap processors in ``transformer``; returns how many V-First processors it now has.
 
     Each V-First processor keeps the stock processor it replaces (with its settings) and
-    delegates to it for whatever it does not reproduce. Installing twice is harmless.
+    delegates to it for whatever it does not reproduce. With ``v_major``, each also gets its
+    layer's V-Major state, on one step clock per transformer. Installing twice is harmless.
     """
     table = replacements()
     ours = tuple(table.values())
@@ -90,7 +93,21 @@ def install(transformer: torch.nn.Module) -> int:
             continue  # no Ulysses exchange in this module (e.g. Wan's cross-attention)
         module.processor = replacement(processor)
         installed += 1
+    if v_major is not None:
+        _attach_v_major(transformer, v_major)
     logger.info("cocodiff: V-First processors installed in %d attention modules", installed)
     if kept:
         logger.warning("cocodiff: no V-First processor for %s; stock processor kept", ", ".join(sorted(kept)))
     return installed
+
+
+def _attach_v_major(transformer: torch.nn.Module, settings: vmajor.Settings) -> None:
+    clock = transformer.__dict__.get("_cocodiff_clock")
+    if clock is None:
+        clock = transformer._cocodiff_clock = vmajor.attach_clock(transformer)
+    ours = tuple(replacements().values())
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, ours) and processor.v_major is None:
+            processor.v_major = vmajor.Layer(clock, settings)
+    logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())

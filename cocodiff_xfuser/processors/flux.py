@@ -8,7 +8,7 @@ from cocodiff_xfuser.processors import ulysses
 from cocodiff_xfuser.xfuser import compat
 
 
-class FluxVFirstProcessor:
+class FluxVFirstProcessor(ulysses.VFirst):
     """``xFuserFluxAttnProcessor`` with V projected and exchanged before Q/K projection, norm and RoPE."""
 
     def __init__(self, stock=None) -> None:
@@ -26,7 +26,7 @@ class FluxVFirstProcessor:
         value = ulysses.project(attn, hidden_states, "v").unflatten(-1, (heads, -1))
         if joint:
             value = torch.cat([ulysses.project(attn, encoder_hidden_states, "v", added=True).unflatten(-1, (heads, -1)), value], dim=1)
-        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="flux.double.v" if joint else "flux.single.v")
+        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="flux.double.v" if joint else "flux.single.v", layer=self.v_major)
 
         query = attn.norm_q(ulysses.project(attn, hidden_states, "q").unflatten(-1, (heads, -1)))
         key = attn.norm_k(ulysses.project(attn, hidden_states, "k").unflatten(-1, (heads, -1)))

@@ -9,7 +9,7 @@ from cocodiff_xfuser.processors import ulysses
 from cocodiff_xfuser.xfuser import compat
 
 
-class Flux2VFirstProcessor:
+class Flux2VFirstProcessor(ulysses.VFirst):
     """``xFuserFlux2AttnProcessor`` with V projected and exchanged before Q/K projection, norm and RoPE."""
 
     def __init__(self, stock=None) -> None:
@@ -34,7 +34,7 @@ class Flux2VFirstProcessor:
         if joint:
             encoder_value = ulysses.project(attn, encoder_hidden_states, "v", added=True).unflatten(-1, (heads, -1))
             value = torch.cat([encoder_value, value], dim=1)
-        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="flux2.double.v")
+        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="flux2.double.v", layer=self.v_major)
 
         query = attn.norm_q(ulysses.project(attn, hidden_states, "q").unflatten(-1, (heads, -1)))
         key = attn.norm_k(ulysses.project(attn, hidden_states, "k").unflatten(-1, (heads, -1)))
@@ -58,7 +58,7 @@ class Flux2VFirstProcessor:
         return out if encoder_out is None else (out, encoder_out)
 
 
-class Flux2SingleVFirstProcessor:
+class Flux2SingleVFirstProcessor(ulysses.VFirst):
     """``xFuserFlux2ParallelSelfAttnProcessor`` (single-stream block), V-First.
 
     The fused ``to_qkv_mlp_proj`` is computed in row blocks: V's rows first (its exchange
@@ -79,7 +79,7 @@ class Flux2SingleVFirstProcessor:
 
         proj, inner, heads = attn.to_qkv_mlp_proj, attn.inner_dim, attn.heads
         value = ulysses.linear_slice(proj, hidden_states, 2 * inner, 3 * inner).unflatten(-1, (heads, -1))
-        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="flux2.single.v")
+        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="flux2.single.v", layer=self.v_major)
 
         query, key = ulysses.linear_slice(proj, hidden_states, 0, 2 * inner).chunk(2, dim=-1)
         query = attn.norm_q(query.unflatten(-1, (heads, -1)))

@@ -11,7 +11,7 @@ def _heads(attn, x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(2, (attn.heads, -1)).transpose(1, 2)
 
 
-class HunyuanVideoVFirstProcessor:
+class HunyuanVideoVFirstProcessor(ulysses.VFirst):
     """``xFuserHunyuanVideoAttnProcessor`` with V projected and exchanged before Q/K norm and RoPE.
 
     Both text layouts are reproduced: text split over the Ulysses ranks
@@ -53,7 +53,7 @@ class HunyuanVideoVFirstProcessor:
         joint_value = None
         if not split_text:
             value, joint_value = value.split([latent, text], dim=2)
-        pending_v = ulysses.start_input_exchange(value, label="hunyuan_video.dual.v" if dual else "hunyuan_video.single.v")
+        pending_v = ulysses.start_input_exchange(value, label="hunyuan_video.dual.v" if dual else "hunyuan_video.single.v", layer=self.v_major)
 
         query = _heads(attn, attn.to_q(hidden_states))
         key = _heads(attn, attn.to_k(hidden_states))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from cocodiff_xfuser.processors import ulysses
 
 
-class PixArtVFirstProcessor:
+class PixArtVFirstProcessor(ulysses.VFirst):
     """``xFuserAttnProcessor2_0`` self-attention with V projected and exchanged before Q/K.
 
     Delegated to the stock processor: cross-attention, attention masks (which the stock
@@ -61,7 +61,7 @@ class PixArtVFirstProcessor:
         batch, heads = hidden_states.shape[0], attn.heads
         head_dim = attn.to_k.out_features // heads
         value = attn.to_v(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)
-        pending_v = ulysses.start_input_exchange(value, label="pixart.self.v")
+        pending_v = ulysses.start_input_exchange(value, label="pixart.self.v", layer=self.v_major)
 
         query = attn.to_q(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)
         key = attn.to_k(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)

@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import backend, commstats
+from cocodiff_xfuser import backend, commstats, vmajor
 from cocodiff_xfuser.comm.agreement import any_rank
+from cocodiff_xfuser.comm.sparse import agree_selection
 from cocodiff_xfuser.platform import detect
 from cocodiff_xfuser.xfuser import compat
 
@@ -25,21 +26,53 @@ logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
 
 
-class PendingExchange:
-    """Sequence-sharded ``[b, h, s, d]`` tensors on their way to head-sharded ``[b, h/W, W*s, d]``."""
+class VFirst:
+    """Base of the V-First processors: ``v_major`` is the layer's V-Major state, when it is on."""
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], label: str) -> None:
+    v_major: vmajor.Layer | None = None
+
+
+class PendingExchange:
+    """Sequence-sharded ``[b, h, s, d]`` tensors on their way to head-sharded ``[b, h/W, W*s, d]``.
+
+    With V-Major (``layer`` for V's exchange, then V's decision ``v_major`` for Q/K's), the
+    exchange may be sparse over slow links and lands in the layer's cache of its previous result.
+    """
+
+    def __init__(
+        self, tensors: tuple[torch.Tensor, ...], label: str, layer: vmajor.Layer | None = None, v_major: vmajor.Step | None = None
+    ) -> None:
         b, h, s, d = tensors[0].shape
-        world = backend.active().world_size
+        active = backend.active()
+        world = active.world_size
         self._shape = (len(tensors), b, h // world, d)
         self._label = label
         # Destination-major like xfuser's _combined_qkv_all_to_all: [W, n, b, h/W, s, d].
         stacked = torch.stack(tensors).view(len(tensors), b, world, h // world, s, d).permute(2, 0, 1, 3, 4, 5)
         stacked = stacked.contiguous()
         self._nbytes = stacked.numel() * stacked.element_size()
-        self._calibration = commstats.calibrating(label, self._nbytes)
+        self._name = "v" if layer is not None else "qk"
+        if layer is not None and active.slow_level is not None:
+            v_major = layer.begin(stacked)
+        self.v_major = v_major if v_major is not None and v_major.covers(self._name, stacked) else None
         self._started = time.perf_counter()
-        self._handle = backend.active().start(stacked, label)
+        if self.v_major is not None and self.v_major.mask is not None:
+            if self.v_major.selection is None:  # V's exchange agrees the masks; Q/K's reuse them
+                self.v_major.selection = agree_selection(self.v_major.mask, active.group)
+            rows, residual = self.v_major.rows(self._name, stacked)
+            into = self.v_major.caches.received[self._name]
+            self._calibration = False
+            planes = len(tensors) * b * (h // world)  # [W, n, b, h/W, s, d] as [W, planes, s, d]
+            self._handle = active.start_sparse(
+                stacked.view(world, planes, s, d), rows.view(world, planes, rows.shape[4], d), self.v_major.selection,
+                into.view(world, planes, s, d), label, residual,
+            )
+        else:
+            if self.v_major is not None:
+                self.v_major.rows(self._name, stacked)
+            self._calibration = commstats.calibrating(label, self._nbytes)
+            self._handle = active.start(stacked, label)
+        self._stacked_shape = stacked.shape
         self._exchanged = self._handle.wait() if self._calibration else None
 
     def progress(self) -> None:
@@ -50,6 +83,9 @@ class PendingExchange:
     def wait(self) -> tuple[torch.Tensor, ...]:
         waited = time.perf_counter()
         exchanged = self._handle.wait() if self._exchanged is None else self._exchanged
+        if self.v_major is not None:
+            exchanged = exchanged.view(self._stacked_shape)
+            self.v_major.caches.received[self._name] = exchanged
         if commstats.enabled():
             detect().synchronize(exchanged.device)
             commstats.record_async(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
@@ -57,9 +93,14 @@ class PendingExchange:
         return torch.unbind(exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, -1, d), dim=0)
 
 
-def start_input_exchange(*tensors: torch.Tensor, label: str = "qk") -> PendingExchange:
-    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors, asynchronously."""
-    return PendingExchange(tensors, label)
+def start_input_exchange(
+    *tensors: torch.Tensor, label: str = "qk", layer: vmajor.Layer | None = None, v_major: vmajor.Step | None = None
+) -> PendingExchange:
+    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors, asynchronously.
+
+    ``layer``: V's exchange of a layer under V-Major; ``v_major``: Q/K's, following V's decision.
+    """
+    return PendingExchange(tensors, label, layer, v_major)
 
 
 def attention(
@@ -97,7 +138,7 @@ def attention(
             "total_steps": get_ring_parallel_world_size(),
         }
     if query.shape == key.shape:
-        query, key = start_input_exchange(query, key).wait()
+        query, key = start_input_exchange(query, key, v_major=value.v_major).wait()
     else:  # the query carries the joint tokens: two exchanges, both in flight together
         pending_q, pending_k = start_input_exchange(query, label="q"), start_input_exchange(key, label="k")
         (query,), (key,) = pending_q.wait(), pending_k.wait()

@@ -19,7 +19,7 @@ def _rope(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch
     return out.type_as(hidden_states)
 
 
-class WanVFirstProcessor:
+class WanVFirstProcessor(ulysses.VFirst):
     """``xFuserWanAttnProcessor`` self-attention with V projected and exchanged before Q/K norm and RoPE.
 
     A fused ``to_qkv`` is sliced at call time. Cross-attention (no sequence parallelism) is
@@ -58,7 +58,7 @@ class WanVFirstProcessor:
 
         activation_dtype = hidden_states.dtype
         value = ulysses.project(attn, hidden_states, "v").unflatten(2, (attn.heads, -1))
-        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="wan.self.v")
+        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="wan.self.v", layer=self.v_major)
 
         query = attn.norm_q(ulysses.project(attn, hidden_states, "q"))
         key = attn.norm_k(ulysses.project(attn, hidden_states, "k"))

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     quality_cmd.add_argument("--seed", type=int, default=0, help="the first seed")
     quality_cmd.add_argument("--steps", type=int, default=None, help="default: the model's")
     quality_cmd.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")
+    quality_cmd.add_argument("--v-major", choices=("off", "on"), default="off", help="cocodiff with V-Major (--cocodiff-v-major)")
+    quality_cmd.add_argument("--sweep", choices=("v-major",), default=None,
+                             help="measure every V-Major setting of the sweep against stock (JSON and a plot in --out)")
     quality_cmd.add_argument("--out", default="quality-output", help="directory for quality.json and quality.png")
     quality_cmd.add_argument("--timeout", type=float, default=quality.TIMEOUT_S, help="seconds for the torchrun job")
     quality_cmd.add_argument("--json", action="store_true", help="print one JSON object")

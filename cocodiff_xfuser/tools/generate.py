@@ -31,6 +31,7 @@ VARIANTS = {
     "ulysses": {"sp_backend": "ulysses"},
     "cocodiff": {"sp_backend": "cocodiff"},
     "cocodiff+vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True},
+    "cocodiff+vfirst+vmajor": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on"},
 }
 
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--out", required=True, type=Path)
     ours.add_argument("--backends", default=None, help=f"comma-separated from {sorted(VARIANTS)}; default: the flags")
+    ours.add_argument("--variants", type=Path, default=None, help="JSON {name: {runner arg: value}}: more backend variants")
     ours.add_argument("--save-png", action="store_true")
     ours.add_argument("--cases", type=Path, default=None, help="JSON list of [prompt, seed]; default: the flags'")
     ours.add_argument("--repeat", type=int, default=0, help="after a first (warm-up, autotuning) run, time this many runs")
@@ -59,9 +61,10 @@ def main(argv: list[str] | None = None) -> None:
     base = vars(parser.parse_args(runner_argv))
     models = base["model"].split(",")
     backends = mine.backends.split(",") if mine.backends else [base["sp_backend"]]
-    unknown = [b for b in backends if b not in VARIANTS]
+    variants = {**VARIANTS, **(json.loads(mine.variants.read_text()) if mine.variants else {})}
+    unknown = [b for b in backends if b not in variants]
     if unknown:
-        raise SystemExit(f"unknown backend variant(s) {unknown}; choose from {sorted(VARIANTS)}")
+        raise SystemExit(f"unknown backend variant(s) {unknown}; choose from {sorted(variants)}")
     from cocodiff_xfuser import commstats
     from cocodiff_xfuser.comm import order
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = None
     for model in models:
         for backend in backends:
-            args = {**base, "model": model, **VARIANTS[backend]}
+            args = {**base, "model": model, **variants[backend]}
             commstats.reset_ran()
             launched_before = len(order.launches())
             runner = xFuserModelRunner(args)

@@ -124,22 +124,18 @@ def _maybe_bar(items: list, progress: bool, desc: str):
     return tqdm(items, desc=desc, unit="call", leave=False)
 
 
-def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, timeout: float = TIMEOUT_S,
-            progress: bool = True) -> dict:
-    """Generate every case with stock Ulysses, cocodiff (``run``) and one process; the report as a dict."""
-    run.check()
-    tiny_models.ensure_fixture(run.model)
+def _generate(run: Run, cases: list, variants: dict[str, dict], timeout: float, progress: bool) -> dict[str, dict]:
+    """One torchrun job: every case with stock Ulysses, then with each variant (name -> runner args)."""
     spec = tiny_models.SPECS[run.model]
-    cases = [[prompt, seed] for prompt in prompts for seed in seeds]
-    out.mkdir(parents=True, exist_ok=True)
-    backends = ("ulysses", "cocodiff")
+    backends = ("ulysses", *variants)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "cases.json").write_text(json.dumps(cases))
+        (work / "variants.json").write_text(json.dumps(variants))
+        argv = run.argv(backends, work) + ["--cases", str(work / "cases.json"), "--variants", str(work / "variants.json")]
         bar, update = _progress_bar(work, len(cases) * len(backends)) if progress else (None, None)
         try:
-            launcher.torchrun(run.world_size, run.argv(backends, work) + ["--cases", str(work / "cases.json")],
-                              timeout=timeout, while_running=update)
+            launcher.torchrun(run.world_size, argv, timeout=timeout, while_running=update)
         finally:
             if bar is not None:
                 bar.close()
@@ -147,26 +143,27 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
         for backend in backends:
             where = output_dir(work, spec.model_id, backend)
             results[backend] = {**json.loads((where / "result.json").read_text()), "images": np.load(where / "images.npy")}
-    single = np.concatenate([
-        tiny_models.reference_images(run.model, prompt, seed, run.height, run.width, run.steps)
-        for prompt, seed in _maybe_bar(cases, progress, "one process")
-    ])
-    stock, ours = results["ulysses"], results["cocodiff"]
+    return results
+
+
+def _report(run: Run, flags: list[str], cases: list, stock: dict, ours: dict, single: np.ndarray | None) -> dict:
+    """The candidate ``ours`` against ``stock`` (and the one-process images, when given)."""
     per_image, summary = measure_images(stock["images"], ours["images"])
     ran = ours["ran"]
     exact = ran["slow_link_bytes_exact"]
+    v_major = ran.get("v_major") or {}
     report = {
         "model": run.model,
         "ulysses_degree": run.ulysses_degree,
         "ring_degree": run.ring_degree,
         "topology": run.topology,
-        "flags": list(run.extra) + (["--cocodiff-v-first"] if run.v_first else []),
+        "flags": flags,
         "reference": REFERENCE,
         "cases": len(cases),
         "image_shape": list(ours["images"].shape[1:]),
         "steps": ours["steps"],
         **summary,
-        "vs_single_process": {
+        "vs_single_process": None if single is None else {
             "stock_max_abs_diff": compare(single, stock["images"])["max_abs_diff"],
             "candidate_max_abs_diff": compare(single, ours["images"])["max_abs_diff"],
         },
@@ -176,6 +173,8 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
         "slow_link_bytes": ran["slow_link_bytes"],
         "slow_link_bytes_exact": exact,
         "slow_link_bytes_saved_fraction": 1 - ran["slow_link_bytes"] / exact if exact else None,
+        # V-Major: the share of (token, layer, step) rows sent over slow links.
+        "v_major_active_fraction": v_major["active"] / v_major["tokens"] if v_major.get("tokens") else None,
         # The first case includes start-up work (the autotune); the rest are steady state.
         "step_s": _step_s(ours),
         "reference_step_s": _step_s(stock),
@@ -192,9 +191,114 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
                 report[key] = float((classifier.predict(images[rows]) == np.array(wanted)).mean())
         for entry, predicted in zip(report["images"], classifier.predict(ours["images"])):
             entry["classified_as"] = int(predicted)
-    save_grid(stock["images"], ours["images"], out / "quality.png")
+    return report
+
+
+def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, timeout: float = TIMEOUT_S,
+            progress: bool = True) -> dict:
+    """Generate every case with stock Ulysses, cocodiff (``run``) and one process; the report as a dict."""
+    run.check()
+    tiny_models.ensure_fixture(run.model)
+    cases = [[prompt, seed] for prompt in prompts for seed in seeds]
+    out.mkdir(parents=True, exist_ok=True)
+    results = _generate(run, cases, {"cocodiff": {}}, timeout, progress)
+    single = np.concatenate([
+        tiny_models.reference_images(run.model, prompt, seed, run.height, run.width, run.steps)
+        for prompt, seed in _maybe_bar(cases, progress, "one process")
+    ])
+    flags = list(run.extra) + (["--cocodiff-v-first"] if run.v_first else [])
+    report = _report(run, flags, cases, results["ulysses"], results["cocodiff"], single)
+    save_grid(results["ulysses"]["images"], results["cocodiff"]["images"], out / "quality.png")
     (out / "quality.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+#: ``--sweep v-major``: name -> V-Major settings, each measured against stock in one job.
+V_MAJOR_SWEEP = {
+    **{f"threshold {t:g}": {"policy": "threshold", "threshold": t} for t in (0.1, 0.2, 0.3, 0.5)},
+    **{f"top-k {f:g}": {"policy": "top-k", "fraction": f} for f in (0.5, 0.3)},
+    "schedule 0.8": {"policy": "schedule", "final_cached": 0.8},
+    "threshold 0.2 scope v": {"policy": "threshold", "threshold": 0.2, "scope": "v"},
+    "top-k 0.3 scope v": {"policy": "top-k", "fraction": 0.3, "scope": "v"},
+    "threshold 0.3 l1": {"policy": "threshold", "threshold": 0.3, "metric": "l1"},
+    **{f"threshold {t:g} bf16": {"policy": "threshold", "threshold": t, "residual_dtype": "bfloat16"} for t in (0.1, 0.2)},
+    "top-k 0.5 bf16": {"policy": "top-k", "fraction": 0.5, "residual_dtype": "bfloat16"},
+    "threshold 0.1 fp8": {"policy": "threshold", "threshold": 0.1, "residual_dtype": "float8_e4m3fn"},
+}
+# Points without a residual dtype send active rows as values; every other knob is the shipped default.
+for _knobs in V_MAJOR_SWEEP.values():
+    _knobs.setdefault("residual_dtype", "none")
+
+
+def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, timeout: float = TIMEOUT_S,
+                  progress: bool = True, points: dict[str, dict] | None = None) -> dict:
+    """Every V-Major setting of ``points`` (default :data:`V_MAJOR_SWEEP`) against stock, in one job."""
+    run.check()
+    tiny_models.ensure_fixture(run.model)
+    points = V_MAJOR_SWEEP if points is None else points
+    cases = [[prompt, seed] for prompt in prompts for seed in seeds]
+    out.mkdir(parents=True, exist_ok=True)
+    variants = {
+        name: {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on",
+               **{f"cocodiff_v_major_{key}": value for key, value in knobs.items()}}
+        for name, knobs in points.items()
+    }
+    results = _generate(run, cases, variants, timeout, progress)
+    rows = []
+    for name, knobs in points.items():
+        flags = ["--cocodiff-v-major", "on"] + [f"--cocodiff-v-major-{k.replace('_', '-')}={v}" for k, v in knobs.items()]
+        report = _report(run, list(run.extra) + flags, cases, results["ulysses"], results[name], None)
+        keep = ("psnr_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
+                "slow_link_bytes_saved_fraction", "v_major_active_fraction", "step_s", "reference_step_s")
+        rows.append({"name": name, "settings": knobs, **{key: report[key] for key in keep}})
+    summary = {"model": run.model, "ulysses_degree": run.ulysses_degree, "topology": run.topology,
+               "cases": len(cases), "steps": results["ulysses"]["steps"], "points": rows}
+    (out / "sweep-v-major.json").write_text(json.dumps(summary, indent=1))
+    _plot_sweep(summary, out / "sweep-v-major.png")
+    return summary
+
+
+def _plot_sweep(summary: dict, path: Path) -> None:
+    """Quality against slow-link bytes saved, one marker per setting (the paper's Figure 10, ours)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for row in summary["points"]:
+        saved = 100 * (row["slow_link_bytes_saved_fraction"] or 0.0)
+        psnr = min(row["psnr_db"], 80.0)
+        marker = "s" if "scope v" in row["name"] else ("^" if row["name"].startswith("top-k") else "o")
+        for ax, y in ((axes[0], psnr), (axes[1], row["classifier_agreement"])):
+            if y is None:
+                continue
+            ax.plot(saved, y, marker, label=row["name"])
+            ax.annotate(row["name"], (saved, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    axes[0].axhline(35, color="grey", linestyle=":", linewidth=1)
+    axes[0].set(xlabel="slow-link bytes saved (%)", ylabel="PSNR vs stock Ulysses (dB)")
+    reference = summary["points"][0]["reference_classifier_agreement"]
+    if reference is not None:
+        axes[1].axhline(reference, color="grey", linestyle=":", linewidth=1)
+    axes[1].set(xlabel="slow-link bytes saved (%)", ylabel="classifier agreement with the prompt")
+    fig.suptitle(f"V-Major on {summary['model']}: ulysses {summary['ulysses_degree']} on {summary['topology']}, "
+                 f"{summary['cases']} images, {summary['steps']} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_sweep(summary: dict, out: Path) -> str:
+    lines = [f"{'setting':<24} {'PSNR dB':>8} {'worst':>7} {'SSIM':>7} {'MS-SSIM':>8} {'class.':>7} {'saved':>7} {'active':>7} {'step ms':>8}"]
+    for r in summary["points"]:
+        lines.append(
+            f"{r['name']:<24} {r['psnr_db']:8.2f} {r['min_psnr_db']:7.2f} {r['ssim']:7.4f} "
+            f"{(r['ms_ssim'] or float('nan')):8.4f} {(r['classifier_agreement'] or float('nan')):7.2f} "
+            f"{r['slow_link_bytes_saved_fraction']:7.1%} {r['v_major_active_fraction']:7.1%} {r['step_s'] * 1e3:8.1f}"
+        )
+    lines.append(f"stock classifier agreement {summary['points'][0]['reference_classifier_agreement']}; "
+                 f"JSON and plot in {out.resolve()}")
+    return "\n".join(lines)
 
 
 def _step_s(result: dict) -> float | None:
@@ -240,11 +344,15 @@ def main(args, extra: Sequence[str] = ()) -> int:
         topology=args.topology or default_topology(world_size),
         steps=args.steps,
         v_first=args.v_first,
-        extra=tuple(extra),
+        extra=tuple(extra) + (("--cocodiff-v-major", args.v_major) if args.v_major != "off" else ()),
     )
     prompts = [p.strip() for p in args.prompts.split(",")] if args.prompts else default_prompts(args.model)
     seeds = list(range(args.seed, args.seed + args.seeds))
     out = Path(args.out)
+    if args.sweep:
+        summary = sweep_v_major(run, prompts, seeds, out, timeout=args.timeout, progress=not args.json)
+        print(json.dumps(summary) if args.json else format_sweep(summary, out))
+        return 0
     report = measure(run, prompts, seeds, out, timeout=args.timeout, progress=not args.json)
     print(json.dumps(report) if args.json else format_report(report, out))
     return 0

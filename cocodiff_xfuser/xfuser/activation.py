@@ -14,6 +14,7 @@ from cocodiff_xfuser import backend, commstats
 from cocodiff_xfuser.comm import faults
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import compat
+from cocodiff_xfuser.xfuser import flags
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -41,10 +42,12 @@ def _activating_backend(original):
 
             timeout = getattr(config, "cocodiff_timeout", None)
             try:
+                v_major = flags.v_major_settings(config)
                 options = backend.Options(
                     topology=getattr(config, "cocodiff_topology", None),
                     a2a=getattr(config, "cocodiff_a2a", None) or "auto",
-                    v_first=bool(getattr(config, "cocodiff_v_first", False)),
+                    v_first=bool(getattr(config, "cocodiff_v_first", False)) or v_major is not None,
+                    v_major=v_major,
                     timeout_s=float(timeout) if timeout is not None else faults.default_timeout_s(),
                 )
                 backend.activate(get_sp_group().ulysses_group, options)
@@ -103,8 +106,9 @@ def _adapting_model_after(original, get_transformers):
             commstats.count_fallback(f"model: {reason}")
             backend.deactivate()
         elif active.options.v_first:
+            v_major = active.options.v_major if active.slow_level is not None else None
             for transformer in transformers:
-                processors.install(transformer)
+                processors.install(transformer, v_major)
         return result
 
     return wrapper

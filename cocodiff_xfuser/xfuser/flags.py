@@ -7,6 +7,7 @@ import os
 import sys
 import types
 
+from cocodiff_xfuser import vmajor
 from cocodiff_xfuser.comm import faults
 from cocodiff_xfuser.comm.registry import A2A_SETTINGS
 from cocodiff_xfuser.xfuser import compat
@@ -73,7 +74,56 @@ def _add_backend_args(parser) -> None:
     )
 
 
-BACKEND_KEYS = ("sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first", "cocodiff_timeout")
+    group.add_argument(
+        "--cocodiff_v_major",
+        "--cocodiff-v-major",
+        choices=vmajor.MODES,
+        default="off",
+        help="cocodiff: V-Major: over slow links send only the tokens whose V changed (lossy; implies V-First).",
+    )
+    group.add_argument(
+        "--cocodiff_v_major_config",
+        "--cocodiff-v-major-config",
+        default=None,
+        metavar="YAML",
+        help=f"cocodiff: V-Major settings file (default {vmajor.DEFAULTS.name}, shipped); the flags below override it.",
+    )
+    for name, kind, help_text in V_MAJOR_KNOBS:
+        group.add_argument(
+            f"--cocodiff_v_major_{name}",
+            f"--cocodiff-v-major-{name.replace('_', '-')}",
+            type=kind,
+            default=None,
+            help=f"cocodiff: V-Major {help_text} (default: the settings file).",
+        )
+
+
+#: The V-Major knobs with a flag each (``vmajor.Settings`` fields).
+V_MAJOR_KNOBS = (
+    ("policy", str, f"token selection: {', '.join(vmajor.POLICIES)}"),
+    ("metric", str, f"change of a token: {', '.join(vmajor.METRICS)}"),
+    ("threshold", float, "change above which a token is sent (policy threshold)"),
+    ("fraction", float, "share of tokens sent per step (policy top-k)"),
+    ("final_cached", float, "cached share reached at the last step (policy schedule)"),
+    ("warmup_steps", int, "first steps exchanged in full"),
+    ("refresh_every", int, "full exchange every this many steps (0: never)"),
+    ("scope", str, f"exchanges the mask gates: {', '.join(vmajor.SCOPES)}"),
+    ("residual_dtype", str, f"active rows over slow links: {', '.join(vmajor.RESIDUAL_DTYPES)} (none: values)"),
+    ("budget_mib", float, "bound on the caches in MiB; layers beyond it use the exact exchange"),
+)
+
+BACKEND_KEYS = (
+    "sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first", "cocodiff_timeout",
+    "cocodiff_v_major", "cocodiff_v_major_config", *(f"cocodiff_v_major_{name}" for name, _, _ in V_MAJOR_KNOBS),
+)
+
+
+def v_major_settings(runtime_config) -> vmajor.Settings | None:
+    """The V-Major settings the flags ask for (None: off); ValueError for bad ones."""
+    if (getattr(runtime_config, "cocodiff_v_major", None) or "off") == "off":
+        return None
+    overrides = {name: getattr(runtime_config, f"cocodiff_v_major_{name}", None) for name, _, _ in V_MAJOR_KNOBS}
+    return vmajor.Settings.load(getattr(runtime_config, "cocodiff_v_major_config", None), **overrides)
 
 
 def patch_args(args_module: types.ModuleType) -> None:

@@ -23,6 +23,7 @@ import dataclasses
 
 import cocodiff_xfuser.comm.autotune as autotune
 from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm import sparse
 from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
 from cocodiff_xfuser.comm.flat import (
@@ -459,7 +460,125 @@ def case_agreement() -> None:
     check(any_rank(RANK == odd, None, torch.device("cpu")) and not any_rank(False, None, torch.device("cpu")), "any_rank")
 
 
+def _sparse_expected(x: torch.Tensor, prev: torch.Tensor, sel: sparse.Selection, level: sparse.SlowLevel, group) -> torch.Tensor:
+    """What the sparse exchange must give: the exact result, except rows from other nodes that
+    their sender left out, which keep the previous result."""
+    w = x.shape[0]
+    full = flat_all_to_all(x.flatten(), group).view(x.shape)
+    keep = torch.stack([~sel.masks[j] if not level.fast(j) else torch.zeros_like(sel.masks[j]) for j in range(w)])
+    return torch.where(keep[:, None, :, None], prev, full)
+
+
+def case_sparse() -> None:
+    """V-Major's sparse exchange: one- and two-phase, uneven masks (empty and full included), several
+    in flight, bitwise the exact exchange where every row is active; same launches on every rank."""
+    layouts = {4: ["2x2", "4x1"], 8: ["2x4", "4x2", "2x2x2"]}[WORLD]
+    groups = [list(range(WORLD))]
+    for spec in layouts:
+        topo = Topology.parse(spec)
+        level = sparse.build_slow_levels(topo, groups)[tuple(range(WORLD))]
+        check(level.exists and level.regular, f"{spec}: the world spans nodes evenly")
+        group = dist.group.WORLD
+        for seed, (p, s, d) in enumerate([(3, 16, 4), (1, 9, 2), (2, 40, 8)]):
+            x = torch.randn(WORLD, p, s, d, generator=torch.Generator().manual_seed(seed * 100 + RANK))
+            prev = torch.randn(WORLD, p, s, d, generator=torch.Generator().manual_seed(seed * 100 + 50 + RANK))
+            # Rank 0 sends nothing over slow links, rank 1 everything, the others a random share.
+            mask = torch.rand(s, generator=torch.Generator().manual_seed(seed * 7 + RANK)) < 0.4
+            mask = torch.zeros(s, dtype=torch.bool) if RANK == 0 else torch.ones(s, dtype=torch.bool) if RANK == 1 else mask
+            sel = sparse.agree_selection(mask, group)
+            check(same_bits(sel.masks[RANK], mask), f"{spec}: the agreed mask of this rank is its own")
+            want = _sparse_expected(x, prev, sel, level, group)
+            rows = x.index_select(2, sel.active)
+            for two_phase in (False, True):
+                into = prev.clone()
+                got = sparse.SparseHandle(x, rows, sel, level, group, two_phase, into).wait()
+                check(got is into and same_bits(got, want), f"{spec} {p, s, d} two_phase={two_phase}: wrong rows")
+            # Two in flight (V, then Q/K with the same masks), the slow phase launched by progress on some ranks.
+            into_v, into_qk = prev.clone(), prev.clone()
+            hv = sparse.SparseHandle(x, rows, sel, level, group, True, into_v)
+            hqk = sparse.SparseHandle(x * 2, rows * 2, sel, level, group, True, into_qk)
+            if RANK % 2:
+                time.sleep(0.05)
+                hv.progress()
+                hqk.progress()
+            check(same_bits(hqk.wait(), _sparse_expected(x * 2, prev, sel, level, group)), f"{spec}: second in flight")
+            check(same_bits(hv.wait(), want), f"{spec}: first in flight, waited last")
+            # Everything active: the exact exchange, bitwise.
+            every = sparse.agree_selection(torch.ones(s, dtype=torch.bool), group)
+            check(same_bits(sparse.SparseHandle(x, x, every, level, group, True, prev.clone()).wait(),
+                            flat_all_to_all(x.flatten(), group).view(x.shape)), f"{spec}: all active != exact")
+        slow, exact = sparse.sent_bytes(x, rows, level)
+        remote = sum(not level.fast(j) for j in range(WORLD))
+        k = int(sel.masks[RANK].sum())
+        check(exact == remote * s * p * d * 4 and slow == remote * (k * p * d * 4 + -(-s // 8)), f"{spec}: sent bytes")
+    flat = sparse.build_slow_levels(Topology.parse(f"1x{WORLD}"), groups)[tuple(range(WORLD))]
+    check(not flat.exists, "one node: no slow level")
+    check(same_bits(sparse.unpack_mask(sparse.pack_mask(mask), s), mask), "bitmap round trip")
+
+
+def case_v_major_layer() -> None:
+    """One V-Major layer over denoising steps on 2x2: what the receivers hold is the exact exchange of
+    the senders' references (last-sent values) from other nodes and of fresh V from node-mates;
+    every reference is within the threshold of V; a new pipeline call starts over; the budget holds."""
+    from cocodiff_xfuser import vmajor
+
+    level = sparse.build_slow_levels(Topology.parse(f"2x{WORLD // 2}"), [list(range(WORLD))])[tuple(range(WORLD))]
+    group = dist.group.WORLD
+    shape = (WORLD, 1, 2, 2, 24, 8)  # [W, n, b, h/W, s, d]
+    cases = (("v", "threshold", False, "none"), ("qkv", "top-k", True, "none"), ("v", "threshold", True, "bfloat16"))
+    for scope, policy, two_phase, residual in cases:
+        settings = vmajor.Settings.load(policy=policy, threshold=0.1, fraction=0.25, warmup_steps=1, scope=scope,
+                                        residual_dtype=residual)
+        clock = vmajor.Clock()
+        layer = vmajor.Layer(clock, settings)
+        gen = torch.Generator().manual_seed(RANK)
+        v = torch.randn(shape, generator=gen)
+        for call in range(2):
+            for t in range(6):
+                clock.tick(torch.tensor([1.0 - t / 8]))
+                # Tokens drift at different speeds, so some stay cached and some are sent.
+                v = v + torch.randn(shape, generator=gen) * torch.linspace(0.0, 0.3, shape[4])[:, None]
+                step = layer.begin(v)
+                cache = step.caches
+                exact = flat_all_to_all(v.flatten(), group).view(shape)
+                if step.mask is None:
+                    check(t < max(settings.warmup_steps, 1), f"a full exchange at step {t}: only the first and warm-up steps")
+                    step.rows("v", v)
+                    check(same_bits(cache.reference["v"], v), "a full exchange sends V itself")
+                    cache.received["v"] = exact
+                    continue
+                check(t >= settings.warmup_steps, "no sparse exchange in warm-up")
+                if policy == "top-k":
+                    check(int(step.mask.sum()) == 6, "top-k sends its fraction of the tokens")
+                step.selection = sel = sparse.agree_selection(step.mask, group)
+                rows, is_residual = step.rows("v", v)
+                check(is_residual == (residual != "none") and rows.dtype == (v.dtype if residual == "none" else torch.bfloat16),
+                      "rows travel as the residual dtype says")
+                into = cache.received["v"].view(WORLD, -1, shape[4], shape[5])
+                got = sparse.SparseHandle(v.view(WORLD, -1, shape[4], shape[5]), rows.view(WORLD, -1, rows.shape[4], shape[5]),
+                                          sel, level, group, two_phase, into, is_residual).wait()
+                from_refs = flat_all_to_all(cache.reference["v"].flatten(), group).view(shape)
+                fast = torch.tensor([level.fast(j) for j in range(WORLD)])[:, None, None, None, None, None]
+                check(same_bits(got.view(shape), torch.where(fast, exact, from_refs)), f"{scope} step {t}: receivers' cache")
+                ref = cache.reference["v"]
+                change = torch.linalg.vector_norm(v - ref, dim=(0, 1, 3, 5)) / torch.linalg.vector_norm(ref, dim=(0, 1, 3, 5))
+                # The bound holds for what was left out; residuals leave their rounding error behind.
+                if policy == "threshold":
+                    check(bool((change[:, ~step.mask] <= 0.1).all()), f"step {t}: a cached token drifted past the threshold")
+                sent_error = 0.0 if residual == "none" else 0.01
+                check(bool((change[:, step.mask] <= sent_error).all()), "active tokens are sent (up to the residual's rounding)")
+            check(step.covers("qk", v) == (scope == "qkv"), "scope decides whether Q/K follow V")
+    tiny = vmajor.Settings.load(budget_mib=0.001)
+    over = vmajor.Layer(vmajor.Clock(), tiny)
+    over.clock.tick(1.0)
+    before = commstats.ran()["fallbacks"].get("v-major: cache budget", 0)
+    check(over.begin(torch.zeros(shape)).caches is None, "a layer over the budget keeps no cache")
+    check(commstats.ran()["fallbacks"]["v-major: cache budget"] == before + 1, "the budget fall-back is counted")
+
+
 CASES = {
+    "v_major_layer": case_v_major_layer,
+    "sparse": case_sparse,
     "agreement": case_agreement,
     "semantics": case_semantics,
     "layouts": case_layouts,

@@ -1,0 +1,311 @@
+"""Sparse exchange over the slow level: node-mates get every row, ranks on other nodes only active rows.
+
+The data is the destination-major input of a Ulysses exchange viewed as ``[W, P, s, d]``: chunk
+``j`` goes to group rank ``j`` and is ``P`` planes (tensors x batch x heads) of ``s`` rows
+(tokens). Each sender marks the rows it sends over slow links (its *active* rows, the same set
+for every destination); the receivers update those rows of the previous exchange's result, which
+they keep, and reuse the others. Every rank first learns every rank's active set (one all-gather
+of packed bitmaps), so the uneven sizes of what follows are known everywhere and every rank
+launches the same collectives (the rule of :mod:`.order`).
+
+Two routings, like the exact exchange:
+
+* ``one-phase``: one uneven exchange over the whole group (full chunks to node-mates, active rows
+  to the other nodes), like ``flat``;
+* ``two-phase``: composed with TAPA. Phase 1, inside the node: every chunk goes to the node-mate
+  on the destination's rail, full for node-mates and active rows only for other nodes; phase 2,
+  across nodes between ranks of one rail: each rank forwards the active rows it relays. The slow
+  phase carries only active rows, and no cross-rail traffic.
+
+On gloo the uneven exchanges are receives-first point-to-point messages (the reason is in
+:mod:`.flat`), elsewhere ``all_to_all_single`` with split sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import faults, order
+from .flat import Completion, backend_name, uses_receives_first
+from .topology import Topology
+
+#: Tag of the sparse exchanges' point-to-point messages (their own groups, but kept apart anyway).
+SPARSE_TAG = 0x0CE1
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean ``[s]`` mask as ``ceil(s / 8)`` bytes (little-endian bits)."""
+    s = mask.numel()
+    padded = torch.zeros(-(-s // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:s] = mask.to(torch.uint8)
+    return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor, s: int) -> torch.Tensor:
+    """The inverse of :func:`pack_mask` over the last dim: ``[..., ceil(s/8)]`` bytes -> ``[..., s]`` bool."""
+    bits = packed.unsqueeze(-1).bitwise_and(_BITS.to(packed.device)) != 0
+    return bits.flatten(-2)[..., :s]
+
+
+@dataclass
+class SlowLevel:
+    """One Ulysses group split by nodes: who shares this rank's node, and the groups of the two phases.
+
+    Group rank ``j`` sits at ``(node[j], lane[j])``: its node's position among the group's nodes
+    and its position among the group's ranks on that node (its rail). ``local_group`` holds this
+    rank's node-mates, ``cross_group`` the ranks of its lane on the other nodes.
+    """
+
+    node: list[int]
+    lane: list[int]
+    me: int
+    local_group: Any = None
+    cross_group: Any = None
+    in_flight: list[SparseHandle] = field(default_factory=list)
+
+    @property
+    def exists(self) -> bool:
+        """Whether the group has ranks on other nodes (else there is no slow link to spare)."""
+        return len(set(self.node)) > 1
+
+    @property
+    def regular(self) -> bool:
+        """Whether every node holds the same number of the group's ranks (the two-phase routing)."""
+        per_node = [self.node.count(n) for n in set(self.node)]
+        return len(set(per_node)) == 1
+
+    def fast(self, j: int) -> bool:
+        return self.node[j] == self.node[self.me]
+
+    def at(self, node: int, lane: int) -> int:
+        return next(j for j in range(len(self.node)) if self.node[j] == node and self.lane[j] == lane)
+
+
+def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> dict[tuple[int, ...], SlowLevel]:
+    """The :class:`SlowLevel` of every Ulysses group this rank belongs to, keyed by its sorted ranks.
+
+    Collective over the world: every rank creates the same sub-groups in the same order.
+    """
+    rank = dist.get_rank()
+    levels: dict[tuple[int, ...], SlowLevel] = {}
+    for ranks in sorted({tuple(sorted(g)) for g in groups}):
+        node_of = [topology.coords(r)[0] for r in ranks]
+        nodes = sorted(set(node_of))
+        node = [nodes.index(n) for n in node_of]
+        lane = [node[:j].count(node[j]) for j in range(len(ranks))]
+        level = SlowLevel(node, lane, ranks.index(rank) if rank in ranks else -1)
+        if len(nodes) > 1 and level.regular:
+            for n in range(len(nodes)):
+                members = [ranks[j] for j in range(len(ranks)) if node[j] == n]
+                pg = dist.new_group(members, timeout=faults.timeout())
+                if rank in members:
+                    level.local_group = pg
+            for l in range(max(lane) + 1):
+                members = [ranks[j] for j in range(len(ranks)) if lane[j] == l]
+                pg = dist.new_group(members, timeout=faults.timeout())
+                if rank in members:
+                    level.cross_group = pg
+        if rank in ranks:
+            levels[ranks] = level
+    return levels
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which rows every rank of a group sends over slow links: ``masks[j]`` is rank j's ``[s]`` mask."""
+
+    masks: torch.Tensor  # [W, s] bool, the same on every rank
+    me: int
+
+    @property
+    def active(self) -> torch.Tensor:
+        """This rank's active rows, ascending."""
+        return self.masks[self.me].nonzero().flatten()
+
+    def counts(self) -> list[int]:
+        return self.masks.sum(1).tolist()
+
+
+def agree_selection(mask: torch.Tensor, group: Any) -> Selection:
+    """Every rank's active-row mask on every rank: one all-gather of packed bitmaps (collective)."""
+    packed = pack_mask(mask)
+    world = dist.get_world_size(group)
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    order.launched(group, "all_gather_into_tensor")
+    dist.all_gather_into_tensor(gathered, packed, group=group)
+    return Selection(unpack_mask(gathered.view(world, -1), mask.numel()), dist.get_rank(group))
+
+
+def sent_bytes(x: torch.Tensor, rows: torch.Tensor, level: SlowLevel) -> tuple[int, int]:
+    """Bytes this rank's data sends to other nodes: (sparse, ``rows`` and the bitmap; exact)."""
+    w, p, s, d = x.shape
+    remote = sum(not level.fast(j) for j in range(w))
+    return remote * (rows[0].numel() * rows.element_size() + -(-s // 8)), remote * x[0].numel() * x.element_size()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, device: torch.device, role: str) -> Completion | Any:
+    """Exchange ``inp[j]`` -> group rank j and receive ``out[i]`` from group rank i (sizes known on both sides)."""
+    me = dist.get_rank(group)
+    world = len(inp)
+    if uses_receives_first(group, device):
+        order.launched(group, f"p2p (tag {SPARSE_TAG})", role=role)
+        works = []
+        for i in range(1, world):
+            src = (me - i) % world
+            if out[src].numel():
+                works.append(dist.irecv(out[src], group=group, tag=SPARSE_TAG, group_src=src))
+        for i in range(1, world):
+            dst = (me + i) % world
+            if inp[dst].numel():
+                works.append(dist.isend(inp[dst], group=group, tag=SPARSE_TAG, group_dst=dst))
+        out[me].copy_(inp[me])
+        return Completion([w for w in works if w is not None], poll=False, buffers=(*out, *inp))
+    order.launched(group, "all_to_all_single (uneven)", role=role)
+    flat_out = torch.empty(sum(t.numel() for t in out), dtype=out[0].dtype, device=device)
+    work = dist.all_to_all_single(
+        flat_out, torch.cat([t.reshape(-1) for t in inp]), [t.numel() for t in out], [t.numel() for t in inp],
+        group=group, async_op=True,
+    )
+    return _Unpacking(work, flat_out, out)
+
+
+class _Unpacking:
+    """An uneven ``all_to_all_single`` whose output is copied into per-source tensors once complete."""
+
+    def __init__(self, work: Any, flat: torch.Tensor, out: list[torch.Tensor]) -> None:
+        self._work, self._flat, self._out = work, flat, out
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait(faults.timeout())
+            for t, piece in zip(self._out, self._flat.split([t.numel() for t in self._out])):
+                t.view(-1).copy_(piece)
+            self._work = self._flat = None
+
+
+class SparseHandle:
+    """A sparse exchange in flight; :meth:`wait` writes it into the receiver's previous result.
+
+    ``x`` (``[W, P, s, d]``) goes whole to node-mates; ``rows`` (``[W, P, k, d]``, this rank's
+    active rows in ascending order) to the other nodes, as values, or with ``residual`` as the
+    change since the receivers' copy, which they add (any dtype: everything travels as bytes).
+    """
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        selection: Selection,
+        level: SlowLevel,
+        group: Any,
+        two_phase: bool,
+        into: torch.Tensor,
+        residual: bool = False,
+    ) -> None:
+        w, p, s, d = x.shape
+        self._shape, self._selection, self._level, self._into = x.shape, selection, level, into
+        self._rows_dtype, self._residual = rows.dtype, residual
+        self._full_bytes = x[0].numel() * x.element_size()
+        self._row_bytes = p * d * rows.element_size()
+        self._counts = selection.counts()
+        self._phase2 = None
+        self._two_phase = two_phase
+        device = x.device
+        if not two_phase:
+            inp = [_bytes(x[j] if level.fast(j) else rows[j]) for j in range(w)]
+            self._received = [torch.empty(self._size(j), dtype=torch.uint8, device=device) for j in range(w)]
+            self._pending = _post_uneven(self._received, inp, group, device, "sparse one-phase")
+            return
+        # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
+        # for that lane on every other node (node order).
+        nodes, lanes = max(level.node) + 1, max(level.lane) + 1
+        me_node = level.node[level.me]
+        self._others = [n for n in range(nodes) if n != me_node]
+        self._mates = [level.at(me_node, l) for l in range(lanes)]
+        inp = [torch.cat([_bytes(x[self._mates[l]])] + [_bytes(rows[level.at(n, l)]) for n in self._others]) for l in range(lanes)]
+        self._phase1_out = [
+            torch.empty(self._full_bytes + len(self._others) * self._counts[m] * self._row_bytes, dtype=torch.uint8, device=device)
+            for m in self._mates
+        ]
+        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, device, "sparse phase 1 (node)")
+        level.in_flight.append(self)
+
+    def _size(self, j: int) -> int:
+        return self._full_bytes if self._level.fast(j) else self._counts[j] * self._row_bytes
+
+    def progress(self) -> bool:
+        """On gloo, launch the slow phase once the node phase completed locally (never blocks)."""
+        if self._two_phase and self._phase2 is None and order.completion_driven(backend_name(self._level.local_group, "cpu")):
+            earlier = self._level.in_flight[: self._level.in_flight.index(self)]
+            if all(h._phase2 is not None for h in earlier) and self._pending.done():
+                self._launch_phase2()
+        return not self._two_phase or self._phase2 is not None
+
+    def _launch_phase2(self) -> None:
+        self._pending.wait()
+        level, full = self._level, self._full_bytes
+        # From each node-mate: its chunk for me, then its active rows for my lane on each other node.
+        self._full = {}
+        forward: dict[int, list[torch.Tensor]] = {n: [] for n in self._others}
+        for mate, buf in zip(self._mates, self._phase1_out):
+            self._full[mate] = buf[:full]
+            k = self._counts[mate] * self._row_bytes
+            for i, n in enumerate(self._others):
+                forward[n].append(buf[full + i * k : full + (i + 1) * k])
+        empty = self._phase1_out[0][:0]
+        inp, out, self._sources = [], [], []
+        for n in range(len(self._others) + 1):
+            if n not in forward:
+                inp.append(empty)
+                out.append(empty)
+                continue
+            srcs = [level.at(n, level.lane[m]) for m in self._mates]
+            self._sources.append((srcs, len(out)))
+            inp.append(torch.cat(forward[n]))
+            out.append(torch.empty(sum(self._counts[j] for j in srcs) * self._row_bytes, dtype=torch.uint8, device=empty.device))
+        self._phase2_out = out
+        self._phase2 = _post_uneven(out, inp, level.cross_group, empty.device, "sparse phase 2 (across nodes)")
+        level.in_flight.remove(self)
+
+    def wait(self) -> torch.Tensor:
+        """Complete the exchange into ``into`` (``[W, P, s, d]``, the previous result): rows from
+        node-mates are replaced, rows from other nodes only where their sender marked them active."""
+        into = self._into
+        if not self._two_phase:
+            self._pending.wait()
+            for j, piece in enumerate(self._received):
+                self._place(into, j, piece)
+            return into
+        while self._phase2 is None:  # launch order: every earlier handle's slow phase first
+            self._level.in_flight[0]._launch_phase2()
+        self._phase2.wait()
+        for j, piece in self._full.items():
+            self._place(into, j, piece)
+        for srcs, slot in self._sources:
+            for j, piece in zip(srcs, self._phase2_out[slot].split([self._counts[j] * self._row_bytes for j in srcs])):
+                self._place(into, j, piece)
+        return into
+
+    def _place(self, into: torch.Tensor, j: int, piece: torch.Tensor) -> None:
+        _, p, s, d = into.shape
+        if self._level.fast(j):
+            into[j].view(-1).view(torch.uint8).copy_(piece)
+            return
+        rows = piece.view(self._rows_dtype).view(p, -1, d)
+        active = self._selection.masks[j].nonzero().flatten()
+        if self._residual:
+            into[j].index_add_(1, active, rows.to(into.dtype))
+        else:
+            into[j].index_copy_(1, active, rows)

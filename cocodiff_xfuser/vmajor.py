@@ -1,0 +1,312 @@
+"""V-Major: over slow links, send only the tokens whose V changed since the receivers last got them.
+
+Per attention layer and token, the sender compares this step's V with its *reference*, the value
+it last sent for that token (so a token that stays cached for many steps never drifts further
+than the policy allows). Tokens whose change passes the policy are *active*: the exchange sends
+them to every rank, and the others only to node-mates (:mod:`.comm.sparse`); receivers on other
+nodes keep the previous result of the exchange and update its active rows. With scope ``qkv`` the
+Q and K exchanges of the layer follow V's mask (the paper's reading); with scope ``v`` they are
+exact.
+
+Decisions that change which collectives run (full or sparse exchange at this step, whether a
+layer fits the cache budget) depend only on the step, the shapes and the settings, which every
+rank shares (the settings are agreed at activation); the mask itself is rank-local and travels
+with the exchange. Caches live per attention layer and per transformer call within a step (true
+CFG calls the transformer twice per step) and are dropped when a new pipeline call starts, which
+a transformer's clock sees as a timestep that does not decrease.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cocodiff_xfuser import commstats
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+DEFAULTS = Path(__file__).parent / "configs" / "policies" / "v-major.yaml"
+POLICIES = ("threshold", "top-k", "schedule")
+METRICS = ("rel-l2", "l1")
+SCOPES = ("v", "qkv")
+RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn")
+MODES = ("off", "on")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The V-Major knobs (``configs/policies/v-major.yaml``; each also a ``--cocodiff-v-major-*`` flag)."""
+
+    policy: str
+    metric: str
+    threshold: float
+    fraction: float
+    final_cached: float
+    warmup_steps: int
+    refresh_every: int
+    scope: str
+    residual_dtype: str
+    budget_mib: float
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides: Any) -> Settings:
+        """The settings of ``path`` (default: the shipped defaults), with non-None ``overrides`` applied."""
+        import yaml
+
+        path = Path(path) if path else DEFAULTS
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"--cocodiff-v-major-config {path}: cannot read it ({e})") from e
+        names = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{path}: unknown V-Major setting(s) {', '.join(unknown)}; expected {', '.join(names)}")
+        if path != DEFAULTS:  # a user's file may set only some knobs
+            data = {**yaml.safe_load(DEFAULTS.read_text()), **data}
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            settings = cls(**{k: (int if names[k] == "int" else float if names[k] == "float" else str)(data[k]) for k in names})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"V-Major settings: {e}") from e
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        for name, value, allowed in (
+            ("policy", self.policy, POLICIES),
+            ("metric", self.metric, METRICS),
+            ("scope", self.scope, SCOPES),
+            ("residual-dtype", self.residual_dtype, RESIDUAL_DTYPES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected one of {', '.join(allowed)}")
+        for name, value in (("fraction", self.fraction), ("final-cached", self.final_cached)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected a share between 0 and 1")
+        if self.threshold < 0 or self.warmup_steps < 0 or self.refresh_every < 0 or self.budget_mib < 0:
+            raise ValueError("--cocodiff-v-major-threshold, -warmup-steps, -refresh-every and -budget-mib must be >= 0")
+
+    def describe(self) -> str:
+        rule = {
+            "threshold": f"change > {self.threshold:g} ({self.metric})",
+            "top-k": f"top {self.fraction:.0%} per step ({self.metric})",
+            "schedule": f"cached share rising to {self.final_cached:.0%} ({self.metric})",
+        }[self.policy]
+        refresh = f", full every {self.refresh_every} steps" if self.refresh_every else ""
+        rows = "values" if self.residual_dtype == "none" else f"{self.residual_dtype} residuals"
+        return (f"{rule}, scope {self.scope}, active rows as {rows}, {self.warmup_steps} warm-up steps{refresh}, "
+                f"cache budget {self.budget_mib:g} MiB")
+
+    @property
+    def residual(self) -> torch.dtype | None:
+        """The dtype active rows' changes travel in (None: the rows themselves, in the exchange's dtype)."""
+        return None if self.residual_dtype == "none" else getattr(torch, self.residual_dtype)
+
+
+class Clock:
+    """The denoising step of one transformer, read from the timesteps it is called with.
+
+    A timestep lower than the last one is the next step; the same one, another call of the same
+    step (true CFG's second branch); a higher one (or the first), a new pipeline call.
+    """
+
+    def __init__(self) -> None:
+        self.call = 0
+        self.step = 0
+        self.branch = 0
+        self.layers = 0  # V-Major layers attached to this clock
+        self._last: float | None = None
+
+    def tick(self, timestep: Any) -> None:
+        t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
+        if self._last is None or t > self._last:
+            self.call, self.step, self.branch = self.call + 1, 0, 0
+        elif t == self._last:
+            self.branch += 1
+        else:
+            self.step, self.branch = self.step + 1, 0
+        self._last = t
+
+
+def attach_clock(transformer: torch.nn.Module) -> Clock:
+    """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument)."""
+
+    def before(module, args, kwargs) -> None:
+        timestep = kwargs.get("timestep")
+        if timestep is None:
+            raise ValueError(f"cocodiff: V-Major needs {type(module).__name__} to be called with timestep=...")
+        clock.tick(timestep)
+
+    clock = Clock()
+    transformer.register_forward_pre_hook(before, with_kwargs=True)
+    return clock
+
+
+class _Budget:
+    """Cache bytes held per (layer, branch), against ``budget_mib`` (one per process)."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, int], int] = {}
+
+    def admit(self, key: tuple[int, int], nbytes: int, budget_mib: float) -> bool:
+        self.held.pop(key, None)
+        if sum(self.held.values()) + nbytes > budget_mib * 2**20:
+            return False
+        self.held[key] = nbytes
+        return True
+
+    def release(self, layer: int) -> None:
+        for key in [k for k in self.held if k[0] == layer]:
+            del self.held[key]
+
+
+_budget = _Budget()
+
+
+class _Caches:
+    """One layer's caches for one (pipeline call, branch): the sender's reference, the receivers' results."""
+
+    def __init__(self, shape: tuple) -> None:
+        self.shape = shape
+        # Exchange name ('v', 'qk') -> the input as the receivers on other nodes hold it
+        # (destination-major; 'qk' only with residuals), and the last result on this rank.
+        self.reference: dict[str, torch.Tensor] = {}
+        self.received: dict[str, torch.Tensor] = {}
+
+
+class Layer:
+    """The V-Major state of one attention layer (owned by its V-First processor)."""
+
+    def __init__(self, clock: Clock, settings: Settings) -> None:
+        self.clock, self.settings = clock, settings
+        self.index = clock.layers
+        clock.layers += 1
+        self._call = -1
+        self._caches: dict[int, _Caches] = {}
+        self._refused = False
+
+    def begin(self, v: torch.Tensor) -> Step:
+        """Decide this call's exchanges from V (destination-major ``[W, 1, b, h/W, s, d]``)."""
+        clock, settings = self.clock, self.settings
+        if clock.call != self._call:  # a new pipeline call: nothing carries over
+            self._call, self._caches, self._refused = clock.call, {}, False
+            _budget.release(id(self))
+            if self.index == 0:
+                need = _cache_bytes(v, settings)
+                logger.info(
+                    "cocodiff: V-Major caches need %.1f MiB per layer, %.1f MiB for %d layers (budget %g MiB)",
+                    need / 2**20, need * clock.layers / 2**20, clock.layers, settings.budget_mib,
+                )
+        caches = self._caches.get(clock.branch)
+        if caches is None or caches.shape != tuple(v.shape):
+            if not _budget.admit((id(self), clock.branch), _cache_bytes(v, settings), settings.budget_mib):
+                if not self._refused:
+                    self._refused = True
+                    logger.warning("cocodiff: V-Major cache budget (%g MiB) reached at layer %d; it uses the exact exchange",
+                                   settings.budget_mib, self.index)
+                commstats.count_fallback("v-major: cache budget")
+                return Step(self, None, None)
+            caches = self._caches[clock.branch] = _Caches(tuple(v.shape))
+        step = clock.step
+        full = (
+            "v" not in caches.reference
+            or step < settings.warmup_steps
+            or (settings.refresh_every and step % settings.refresh_every == 0)
+        )
+        if full:
+            commstats.count_v_major(step, self.index, v.shape[4], v.shape[4])
+            return Step(self, caches, None)
+        mask = self._select(v, caches.reference["v"], step)
+        commstats.count_v_major(step, self.index, int(mask.sum()), v.shape[4])
+        return Step(self, caches, mask)
+
+    def _select(self, v: torch.Tensor, reference: torch.Tensor, step: int) -> torch.Tensor:
+        """The active tokens: a ``[s]`` bool mask over this rank's tokens."""
+        settings = self.settings
+        dims = (0, 1, 3, 5)  # all but batch and token
+        diff = (v - reference).float()
+        if settings.metric == "l1":
+            change = diff.abs().mean(dim=dims)
+        else:
+            norm = torch.linalg.vector_norm(reference.float(), dim=dims)
+            change = torch.linalg.vector_norm(diff, dim=dims) / norm.clamp_min(torch.finfo(torch.float32).tiny)
+        change = change.amax(0)  # [s]: the largest change over the batch
+        s = change.numel()
+        if settings.policy == "threshold":
+            return change > settings.threshold
+        if settings.policy == "top-k":
+            k = math.ceil(settings.fraction * s)
+        else:
+            total = _total_steps()
+            ramp = max(total - settings.warmup_steps, 1)
+            cached = settings.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
+            k = math.ceil((1.0 - cached) * s)
+        mask = torch.zeros(s, dtype=torch.bool, device=v.device)
+        mask[change.topk(k).indices] = True
+        return mask
+
+
+def _cache_bytes(v: torch.Tensor, settings: Settings) -> int:
+    """The receivers' results and the senders' references of V (and of Q, K under scope qkv; their
+    references only with residuals)."""
+    received = 3 if settings.scope == "qkv" else 1
+    references = received if settings.residual is not None else 1
+    return v.numel() * v.element_size() * (received + references)
+
+
+def _total_steps() -> int:
+    from xfuser.core.distributed import get_runtime_state
+
+    return int(get_runtime_state().input_config.num_inference_steps)
+
+
+@dataclass
+class Step:
+    """One layer call's V-Major decision: exact (``mask`` None), or sparse with this rank's mask.
+
+    ``caches`` None: the layer is outside the budget, nothing is kept.
+    """
+
+    layer: Layer
+    caches: _Caches | None
+    mask: torch.Tensor | None
+    selection: Any = None  # every rank's masks, once agreed by the V exchange
+
+    def covers(self, name: str, x: torch.Tensor) -> bool:
+        """Whether the exchange ``name`` of ``x`` (destination-major) follows this decision."""
+        if self.caches is None or (name != "v" and self.layer.settings.scope != "qkv"):
+            return False
+        return x.shape[4] == self.caches.shape[4] and x.shape[2] == self.caches.shape[2]
+
+    def rows(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """What the exchange ``name`` of ``x`` (``[W, n, b, h/W, s, d]``) sends over slow links this
+        step, and whether it is a residual; updates the reference to what the receivers will hold.
+
+        A full step sends everything: the reference becomes ``x``. A sparse one sends the active
+        tokens, as values, or as their change since the reference rounded to the residual dtype
+        (the rounding error stays in the reference's distance to V, so it is sent later: error
+        feedback).
+        """
+        caches, residual = self.caches, self.layer.settings.residual
+        keeps_reference = name == "v" or residual is not None
+        if self.mask is None:
+            if keeps_reference:
+                caches.reference[name] = x
+            return x, False
+        active = self.selection.masks[self.selection.me].nonzero().flatten()
+        fresh = x.index_select(4, active)
+        reference = caches.reference.get(name)
+        if residual is None:
+            if reference is not None:
+                reference.index_copy_(4, active, fresh)
+            return fresh, False
+        limit = torch.finfo(residual).max  # fp8 has no infinity: out-of-range values would cast to NaN
+        change = (fresh - reference.index_select(4, active)).clamp(-limit, limit).to(residual)
+        reference.index_add_(4, active, change.to(x.dtype))
+        return change, True

@@ -1,0 +1,79 @@
+"""V-Major's settings, step clock and token selection, in one process (the exchanges: tests/comm)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cocodiff_xfuser import vmajor
+
+
+def test_shipped_defaults_load_and_flags_override(tmp_path):
+    settings = vmajor.Settings.load()
+    assert settings.policy in vmajor.POLICIES and settings.scope in vmajor.SCOPES
+    assert vmajor.Settings.load(threshold=0.3, scope="v").threshold == 0.3
+    # A user's file may set some knobs; the rest come from the shipped defaults.
+    partial = tmp_path / "mine.yaml"
+    partial.write_text("policy: top-k\nfraction: 0.25\n")
+    mine = vmajor.Settings.load(partial)
+    assert (mine.policy, mine.fraction, mine.metric) == ("top-k", 0.25, settings.metric)
+    assert "top 25% per step" in mine.describe()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"policy": "random"}, "--cocodiff-v-major-policy 'random'"),
+        ({"fraction": 1.5}, "--cocodiff-v-major-fraction"),
+        ({"residual_dtype": "int4"}, "--cocodiff-v-major-residual-dtype"),
+        ({"threshold": -1.0}, "must be >= 0"),
+    ],
+)
+def test_bad_settings_are_one_clear_error(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        vmajor.Settings.load(**overrides)
+
+
+def test_unknown_or_unreadable_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("thresold: 0.1\n")
+    with pytest.raises(ValueError, match="unknown V-Major setting"):
+        vmajor.Settings.load(bad)
+    with pytest.raises(ValueError, match="cannot read it"):
+        vmajor.Settings.load(tmp_path / "missing.yaml")
+
+
+def test_clock_counts_steps_branches_and_calls():
+    clock = vmajor.Clock()
+    seen = []
+    for t in (1.0, 0.5, 0.5, 0.2, 1.0, 0.6):  # a 3-step call with a second branch at step 1, then a new call
+        clock.tick(torch.tensor([t, t]))
+        seen.append((clock.call, clock.step, clock.branch))
+    assert seen == [(1, 0, 0), (1, 1, 0), (1, 1, 1), (1, 2, 0), (2, 0, 0), (2, 1, 0)]
+
+
+def _layer(**overrides) -> vmajor.Layer:
+    clock = vmajor.Clock()
+    clock.tick(1.0)
+    return vmajor.Layer(clock, vmajor.Settings.load(warmup_steps=1, **overrides))
+
+
+def test_selection_policies():
+    # [W, n, b, h/W, s, d] with token i changed by i/10 relative to the reference.
+    reference = torch.ones(2, 1, 1, 2, 10, 4)
+    v = reference * (1 + torch.arange(10.0) / 10)[:, None]
+    threshold = _layer(policy="threshold", threshold=0.45)._select(v, reference, step=1)
+    assert threshold.tolist() == [False] * 5 + [True] * 5
+    top = _layer(policy="top-k", fraction=0.3)._select(v, reference, step=1)
+    assert top.nonzero().flatten().tolist() == [7, 8, 9]
+    l1 = _layer(policy="threshold", metric="l1", threshold=0.25)._select(v, reference, step=1)
+    assert l1.nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 8, 9]
+
+
+def test_schedule_raises_the_cached_share(monkeypatch):
+    monkeypatch.setattr(vmajor, "_total_steps", lambda: 5)
+    layer = _layer(policy="schedule", final_cached=0.8)
+    reference = torch.ones(2, 1, 1, 2, 10, 4)
+    v = reference * (1 + torch.arange(10.0) / 10)[:, None]
+    sent = [int(layer._select(v, reference, step=s).sum()) for s in range(1, 5)]
+    assert sent == [8, 6, 4, 2]  # cached share 0.2, 0.4, 0.6, 0.8 after one warm-up step
