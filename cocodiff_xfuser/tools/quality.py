@@ -201,7 +201,7 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
     tiny_models.ensure_fixture(run.model)
     cases = [[prompt, seed] for prompt in prompts for seed in seeds]
     out.mkdir(parents=True, exist_ok=True)
-    results = _generate(run, cases, {"cocodiff": {}}, timeout, progress)
+    results = _generate(run, cases, {"cocodiff": {"sp_backend": "cocodiff"}}, timeout, progress)
     single = np.concatenate([
         tiny_models.reference_images(run.model, prompt, seed, run.height, run.width, run.steps)
         for prompt, seed in _maybe_bar(cases, progress, "one process")
