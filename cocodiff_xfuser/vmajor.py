@@ -109,6 +109,26 @@ class Settings:
         return None if self.residual_dtype == "none" else getattr(torch, self.residual_dtype)
 
 
+class _Budget:
+    """Cache bytes held per (layer, branch) of one transformer, against ``budget_mib``."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, int], int] = {}
+        self.warned = False  # the one log line
+
+    def admit(self, key: tuple[int, int], nbytes: int, budget_mib: float) -> bool:
+        self.held.pop(key, None)
+        if sum(self.held.values()) + nbytes > budget_mib * 2**20:
+            return False
+        self.held[key] = nbytes
+        return True
+
+    def release(self, layer: int) -> None:
+        for key in [k for k in self.held if k[0] == layer]:
+            del self.held[key]
+
+
+
 class Clock:
     """The denoising step of one transformer, read from the timesteps it is called with.
 
@@ -121,6 +141,7 @@ class Clock:
         self.step = 0
         self.branch = 0
         self.layers = 0  # V-Major layers attached to this clock
+        self.budget = _Budget()  # their caches
         self._last: float | None = None
 
     def tick(self, timestep: Any) -> None:
@@ -148,25 +169,6 @@ def attach_clock(transformer: torch.nn.Module) -> Clock:
     return clock
 
 
-class _Budget:
-    """Cache bytes held per (layer, branch), against ``budget_mib`` (one per process)."""
-
-    def __init__(self) -> None:
-        self.held: dict[tuple[int, int], int] = {}
-
-    def admit(self, key: tuple[int, int], nbytes: int, budget_mib: float) -> bool:
-        self.held.pop(key, None)
-        if sum(self.held.values()) + nbytes > budget_mib * 2**20:
-            return False
-        self.held[key] = nbytes
-        return True
-
-    def release(self, layer: int) -> None:
-        for key in [k for k in self.held if k[0] == layer]:
-            del self.held[key]
-
-
-_budget = _Budget()
 
 
 class _Caches:
@@ -189,14 +191,13 @@ class Layer:
         clock.layers += 1
         self._call = -1
         self._caches: dict[int, _Caches] = {}
-        self._refused = False
 
     def begin(self, v: torch.Tensor) -> Step:
         """Decide this call's exchanges from V (destination-major ``[W, 1, b, h/W, s, d]``)."""
         clock, settings = self.clock, self.settings
         if clock.call != self._call:  # a new pipeline call: nothing carries over
-            self._call, self._caches, self._refused = clock.call, {}, False
-            _budget.release(id(self))
+            self._call, self._caches = clock.call, {}
+            clock.budget.release(id(self))
             if self.index == 0:
                 need = _cache_bytes(v, settings)
                 logger.info(
@@ -205,11 +206,13 @@ class Layer:
                 )
         caches = self._caches.get(clock.branch)
         if caches is None or caches.shape != tuple(v.shape):
-            if not _budget.admit((id(self), clock.branch), _cache_bytes(v, settings), settings.budget_mib):
-                if not self._refused:
-                    self._refused = True
-                    logger.warning("cocodiff: V-Major cache budget (%g MiB) reached at layer %d; it uses the exact exchange",
-                                   settings.budget_mib, self.index)
+            if not clock.budget.admit((id(self), clock.branch), _cache_bytes(v, settings), settings.budget_mib):
+                if not clock.budget.warned:
+                    clock.budget.warned = True
+                    logger.warning(
+                        "cocodiff: V-Major cache budget (%g MiB, --cocodiff-v-major-budget-mib) reached at layer %d "
+                        "of %d; layers beyond it use the exact exchange", settings.budget_mib, self.index, clock.layers,
+                    )
                 commstats.count_fallback("v-major: cache budget")
                 return Step(self, None, None)
             caches = self._caches[clock.branch] = _Caches(tuple(v.shape))

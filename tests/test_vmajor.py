@@ -1,11 +1,20 @@
-"""V-Major's settings, step clock and token selection, in one process (the exchanges: tests/comm)."""
+"""V-Major's settings, step clock and token selection in one process; caches across pipeline calls
+and the budget on 4 ranks (the exchanges themselves: tests/comm)."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
 from cocodiff_xfuser import vmajor
+from cocodiff_xfuser.tools import launcher
+from cocodiff_xfuser.tools.generate import output_dir
+from cocodiff_xfuser.tools.models import digits
+from cocodiff_xfuser.tools.models import tiny as tiny_models
+from cocodiff_xfuser.tools.verify import Run
 
 
 def test_shipped_defaults_load_and_flags_override(tmp_path):
@@ -77,3 +86,29 @@ def test_schedule_raises_the_cached_share(monkeypatch):
     v = reference * (1 + torch.arange(10.0) / 10)[:, None]
     sent = [int(layer._select(v, reference, step=s).sum()) for s in range(1, 5)]
     assert sent == [8, 6, 4, 2]  # cached share 0.2, 0.4, 0.6, 0.8 after one warm-up step
+
+
+def _generate(tmp_path, name: str, cases: list, extra: tuple = ()) -> tuple[np.ndarray, dict]:
+    """digits-flux on 4 ranks (2x2) with V-Major at its defaults, one torchrun job for ``cases``."""
+    out = tmp_path / name
+    out.mkdir()
+    (out / "cases.json").write_text(json.dumps(cases))
+    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", extra=("--cocodiff_v_major", "on", *extra))
+    launcher.torchrun(4, run.argv(("cocodiff",), out) + ["--cases", str(out / "cases.json")], timeout=600)
+    where = output_dir(out, tiny_models.SPECS[digits.NAME].model_id, "cocodiff")
+    return np.load(where / "images.npy"), json.loads((where / "result.json").read_text())
+
+
+def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
+    """An image generated after another one in the same job is bitwise the image of a fresh job
+    (the caches start over at every pipeline call); a budget no layer fits gives the exact exchange."""
+    tiny_models.ensure_fixture(digits.NAME)
+    after, result = _generate(tmp_path, "two", [["digit 3", 0], ["digit 7", 1]])
+    fresh, _ = _generate(tmp_path, "one", [["digit 7", 1]])
+    assert np.array_equal(after[1], fresh[0])
+    assert any(name.startswith("v-major") for name in result["ran"]["exchanges"]), result["ran"]
+    exact, over = _generate(tmp_path, "budget", [["digit 7", 1]], ("--cocodiff_v_major_budget_mib", "0.01"))
+    assert over["ran"]["fallbacks"].get("v-major: cache budget", 0) > 0, over["ran"]
+    assert not any(name.startswith("v-major") for name in over["ran"]["exchanges"]), over["ran"]
+    assert over["ran"]["slow_link_bytes"] == over["ran"]["slow_link_bytes_exact"]
+    assert not np.array_equal(exact[0], fresh[0])  # V-Major is lossy; the budget fall-back is exact

@@ -1,6 +1,7 @@
 """One program order: with the order audit on, every rank launches the same collectives, on the
-same communicators, in the same order, for every tiny model under V-First and TAPA (4 ranks,
-2 nodes x 2, the hierarchical exchange forced so that phases on sub-groups are in flight)."""
+same communicators, in the same order, for every tiny model under V-First, TAPA and V-Major (4
+ranks, 2 nodes x 2, the hierarchical exchange forced so that phases on sub-groups are in flight,
+V-Major's sparse exchanges in two phases from the second step on, with rank-local masks)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ MODELS = sorted(tiny_models.SPECS)
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory):
     out = tmp_path_factory.mktemp("order")
-    run = Run(model=MODELS[0], ulysses_degree=4, topology="2x2", v_first=True, extra=("--cocodiff_a2a", "hierarchical"))
+    flags = ("--cocodiff_a2a", "hierarchical", "--cocodiff_v_major", "on", "--cocodiff_v_major_warmup_steps", "0")
+    run = Run(model=MODELS[0], ulysses_degree=4, topology="2x2", v_first=True, extra=flags)
     argv = run.argv(("cocodiff",), out)
     argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in MODELS)
     launcher.torchrun(run.world_size, argv, env={AUDIT_ENV: "1"}, timeout=900)
@@ -37,5 +39,8 @@ def test_every_rank_launches_in_one_order(audited, model):
         assert sequence == launches[0], f"rank {rank} differs from rank 0 at launch {first}: {sequence[first:first + 3]}"
     roles = {role for role, _ in launches[0]}
     assert {"level 0 of (2, 2)", "level 1 of (2, 2)"} <= roles, roles
-    # The path under test ran: V-First calls and only hierarchical exchanges.
-    assert result["ran"]["v_first_calls"] > 0 and set(result["ran"]["exchanges"]) == {"hierarchical"}, result["ran"]
+    assert {"sparse phase 1 (node)", "sparse phase 2 (across nodes)"} <= roles, roles
+    # The path under test ran: V-First calls, hierarchical exchanges and V-Major's two-phase ones.
+    ran = result["ran"]
+    assert ran["v_first_calls"] > 0 and set(ran["exchanges"]) == {"hierarchical", "v-major two-phase"}, ran
+    assert ran["fallbacks"] == {} and 0 < ran["v_major"]["active"] <= ran["v_major"]["tokens"], ran

@@ -63,3 +63,23 @@ def test_lossless_configuration_reports_identical_images(tmp_path):
     assert [image["prompt"] for image in report["images"]] == ["digit 3", "digit 7"]
     assert json.loads((tmp_path / "quality.json").read_text())["cases"] == 2
     assert (tmp_path / "quality.png").stat().st_size > 0
+
+
+def test_v_major_default_meets_its_quality_and_bytes_target(tmp_path):
+    """``--v-major on`` at the shipped defaults on the trained model: within 35 dB of stock Ulysses,
+    at least 40% of the slow-link bytes saved, and the sparse exchanges really ran."""
+    cocodiff = os.path.join(os.path.dirname(sys.executable), "cocodiff")
+    result = subprocess.run(
+        [cocodiff, "quality", "--model", "digits-flux", "--prompts", "digit 2,digit 5,digit 8", "--seeds", "1",
+         "--out", str(tmp_path), "--json", "--v-major", "on"],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["psnr_db"] >= 35 and not report["identical"], report["psnr_db"]
+    assert report["slow_link_bytes_saved_fraction"] >= 0.4, report["slow_link_bytes_saved_fraction"]
+    ran = report["ran"]["cocodiff"]
+    assert any(name.startswith("v-major") for name in ran["exchanges"]) and ran["fallbacks"] == {}, ran
+    assert 0 < report["v_major_active_fraction"] < 1
+    # Every step and layer is counted: 16 steps, 6 attention layers.
+    assert len(ran["v_major"]["per_step"]) == 16 and len(ran["v_major"]["per_layer"]) == 6
