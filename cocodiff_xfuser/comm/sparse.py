@@ -152,8 +152,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, device: torch.device, role: str) -> Completion | Any:
-    """Exchange ``inp[j]`` -> group rank j and receive ``out[i]`` from group rank i (sizes known on both sides)."""
+def _post_uneven(
+    out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, device: torch.device, role: str, poll: bool = False
+) -> Completion | Any:
+    """Exchange ``inp[j]`` -> group rank j and receive ``out[i]`` from group rank i (sizes known on
+    both sides). ``poll``: on gloo, a waiter thread lets ``done()`` see completion (gloo's p2p works
+    report it only once waited on)."""
     me = dist.get_rank(group)
     world = len(inp)
     if uses_receives_first(group, device):
@@ -168,7 +172,7 @@ def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, d
             if inp[dst].numel():
                 works.append(dist.isend(inp[dst], group=group, tag=SPARSE_TAG, group_dst=dst))
         out[me].copy_(inp[me])
-        return Completion([w for w in works if w is not None], poll=False, buffers=(*out, *inp))
+        return Completion([w for w in works if w is not None], poll=poll, buffers=(*out, *inp))
     order.launched(group, "all_to_all_single (uneven)", role=role)
     flat_out = torch.empty(sum(t.numel() for t in out), dtype=out[0].dtype, device=device)
     work = dist.all_to_all_single(
@@ -239,7 +243,8 @@ class SparseHandle:
             torch.empty(self._full_bytes + len(self._others) * self._counts[m] * self._row_bytes, dtype=torch.uint8, device=device)
             for m in self._mates
         ]
-        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, device, "sparse phase 1 (node)")
+        polled = order.completion_driven(backend_name(level.local_group, device))  # see progress()
+        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, device, "sparse phase 1 (node)", polled)
         level.in_flight.append(self)
 
     def _size(self, j: int) -> int:
@@ -247,7 +252,7 @@ class SparseHandle:
 
     def progress(self) -> bool:
         """On gloo, launch the slow phase once the node phase completed locally (never blocks)."""
-        if self._two_phase and self._phase2 is None and order.completion_driven(backend_name(self._level.local_group, "cpu")):
+        if self._two_phase and self._phase2 is None and order.completion_driven(backend_name(self._level.local_group, self._into.device)):
             earlier = self._level.in_flight[: self._level.in_flight.index(self)]
             if all(h._phase2 is not None for h in earlier) and self._pending.done():
                 self._launch_phase2()
