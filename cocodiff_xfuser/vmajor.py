@@ -302,7 +302,7 @@ class Step:
             if keeps_reference:
                 caches.reference[name] = x
             return x, False
-        active = self.selection.masks[self.selection.me].nonzero().flatten()
+        active = self.selection.active
         fresh = x.index_select(4, active)
         reference = caches.reference.get(name)
         if residual is None:
