@@ -59,10 +59,10 @@ def setup(ulysses: int, ring: int) -> None:
 
     start = core.start_input_exchange
 
-    def counting(*tensors, label="qk"):
+    def counting(*tensors, label="qk", **v_major):
         if label.endswith(".v"):
             V_EXCHANGES[label] += 1
-        return start(*tensors, label=label)
+        return start(*tensors, label=label, **v_major)
 
     core.start_input_exchange = counting
 
