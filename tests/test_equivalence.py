@@ -36,12 +36,12 @@ CASES = [(model, name) for name, layout in LAYOUTS.items() for model in (CFG_MOD
 # attention, ring merges). Images are in [0, 1].
 SINGLE_PROCESS_ATOL = 2e-3
 SEED = 42
-# V-Major with a zero threshold (and no warm-up) sends every token that changed at all, so it
-# must be bitwise equal too, while its sparse exchanges (masks, uneven sizes, caches) all run.
+# V-Major with a zero threshold (and no warm-up) sends every token that changed at all, as values,
+# so it must be bitwise equal too, while its sparse exchanges (masks, uneven sizes, caches) all run.
 V_MAJOR_EXACT = {
     "cocodiff+vmajor0": {
         "sp_backend": "cocodiff", "cocodiff_v_major": "on", "cocodiff_v_major_policy": "threshold",
-        "cocodiff_v_major_threshold": 0.0, "cocodiff_v_major_warmup_steps": 0,
+        "cocodiff_v_major_threshold": 0.0, "cocodiff_v_major_warmup_steps": 0, "cocodiff_v_major_residual_dtype": "none",
     }
 }
 BACKENDS = ("ulysses", "cocodiff", "cocodiff+vfirst", *V_MAJOR_EXACT)
