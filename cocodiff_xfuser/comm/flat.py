@@ -164,7 +164,8 @@ def post_receives_first(
     chunk (``all_to_all_single`` with equal splits). Peers are visited in a staggered order
     (receive from me-1, me-2, ...; send to me+1, me+2, ...) so that ranks do not all target the
     same peer first. The own chunk is copied before returning. Returns the works: ``out`` is
-    complete, and ``inp`` may be reused, only once all of them are waited on.
+    complete, and ``inp`` may be reused, only once all of them are waited on (:func:`post_pieces`
+    says the posting order).
 
     ``skip_slot=(k, n)``: every chunk is n equal slots and slot k of the chunks exchanged with
     peers is neither sent nor received (it travels separately; the own chunk is copied whole).
@@ -183,14 +184,26 @@ def post_receives_first(
         return [p.reshape(-1) for p in (slots[:k], slots[k + 1 :]) if p.numel()]
 
     order.launched(group, f"p2p (tag {tag})")
+    works = post_pieces([pieces(chunk) for chunk in recv], [pieces(chunk) for chunk in send], group, tag)
+    recv[me].copy_(send[me])
+    return works
+
+
+def post_pieces(
+    recv: Sequence[Sequence[torch.Tensor]], send: Sequence[Sequence[torch.Tensor]], group: Any, tag: int
+) -> list[Any]:
+    """Post the receives of ``recv[src]`` from every peer, then the sends of ``send[dst]`` to every
+    peer (group ranks; this rank's own entries are left alone), and return the works. Peers are
+    visited staggered (receive from me-1, me-2, ...; send to me+1, me+2, ...) so that ranks do not
+    all target the same peer first; empty tensors are skipped (both sides know the sizes)."""
+    me, world = _group_info(group)
     works = []
     for i in range(1, world):
         src = (me - i) % world
-        works += [dist.irecv(p, group=group, tag=tag, group_src=src) for p in pieces(recv[src])]
+        works += [dist.irecv(p, group=group, tag=tag, group_src=src) for p in recv[src] if p.numel()]
     for i in range(1, world):
         dst = (me + i) % world
-        works += [dist.isend(p, group=group, tag=tag, group_dst=dst) for p in pieces(send[dst])]
-    recv[me].copy_(send[me])
+        works += [dist.isend(p, group=group, tag=tag, group_dst=dst) for p in send[dst] if p.numel()]
     return [w for w in works if w is not None]
 
 

@@ -24,13 +24,14 @@ On gloo the uneven exchanges are receives-first point-to-point messages (the rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import faults, order
-from .flat import Completion, backend_name, uses_receives_first
+from .flat import Completion, backend_name, post_pieces, uses_receives_first
 from .topology import Topology
 
 #: Tag of the sparse exchanges' point-to-point messages (their own groups, but kept apart anyway).
@@ -122,13 +123,19 @@ class Selection:
     masks: torch.Tensor  # [W, s] bool, the same on every rank
     me: int
 
+    @cached_property
+    def rows(self) -> list[torch.Tensor]:
+        """Each rank's active rows, ascending (computed once: V's and Q/K's exchanges share them)."""
+        return [mask.nonzero().flatten() for mask in self.masks]
+
     @property
     def active(self) -> torch.Tensor:
-        """This rank's active rows, ascending."""
-        return self.masks[self.me].nonzero().flatten()
+        """This rank's active rows."""
+        return self.rows[self.me]
 
+    @cached_property
     def counts(self) -> list[int]:
-        return self.masks.sum(1).tolist()
+        return [len(r) for r in self.rows]
 
 
 def agree_selection(mask: torch.Tensor, group: Any) -> Selection:
@@ -158,21 +165,12 @@ def _post_uneven(
     """Exchange ``inp[j]`` -> group rank j and receive ``out[i]`` from group rank i (sizes known on
     both sides). ``poll``: on gloo, a waiter thread lets ``done()`` see completion (gloo's p2p works
     report it only once waited on)."""
-    me = dist.get_rank(group)
-    world = len(inp)
     if uses_receives_first(group, device):
         order.launched(group, f"p2p (tag {SPARSE_TAG})", role=role)
-        works = []
-        for i in range(1, world):
-            src = (me - i) % world
-            if out[src].numel():
-                works.append(dist.irecv(out[src], group=group, tag=SPARSE_TAG, group_src=src))
-        for i in range(1, world):
-            dst = (me + i) % world
-            if inp[dst].numel():
-                works.append(dist.isend(inp[dst], group=group, tag=SPARSE_TAG, group_dst=dst))
+        works = post_pieces([[t] for t in out], [[t] for t in inp], group, SPARSE_TAG)
+        me = dist.get_rank(group)
         out[me].copy_(inp[me])
-        return Completion([w for w in works if w is not None], poll=poll, buffers=(*out, *inp))
+        return Completion(works, poll=poll, buffers=(*out, *inp))
     order.launched(group, "all_to_all_single (uneven)", role=role)
     flat_out = torch.empty(sum(t.numel() for t in out), dtype=out[0].dtype, device=device)
     work = dist.all_to_all_single(
@@ -219,11 +217,11 @@ class SparseHandle:
         residual: bool = False,
     ) -> None:
         w, p, s, d = x.shape
-        self._shape, self._selection, self._level, self._into = x.shape, selection, level, into
+        self._selection, self._level, self._into = selection, level, into
         self._rows_dtype, self._residual = rows.dtype, residual
         self._full_bytes = x[0].numel() * x.element_size()
         self._row_bytes = p * d * rows.element_size()
-        self._counts = selection.counts()
+        self._counts = selection.counts
         self._phase2 = None
         self._two_phase = two_phase
         device = x.device
@@ -243,8 +241,8 @@ class SparseHandle:
             torch.empty(self._full_bytes + len(self._others) * self._counts[m] * self._row_bytes, dtype=torch.uint8, device=device)
             for m in self._mates
         ]
-        polled = order.completion_driven(backend_name(level.local_group, device))  # see progress()
-        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, device, "sparse phase 1 (node)", polled)
+        self._polled = order.completion_driven(backend_name(level.local_group, device))  # see progress()
+        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, device, "sparse phase 1 (node)", self._polled)
         level.in_flight.append(self)
 
     def _size(self, j: int) -> int:
@@ -252,7 +250,7 @@ class SparseHandle:
 
     def progress(self) -> bool:
         """On gloo, launch the slow phase once the node phase completed locally (never blocks)."""
-        if self._two_phase and self._phase2 is None and order.completion_driven(backend_name(self._level.local_group, self._into.device)):
+        if self._two_phase and self._phase2 is None and self._polled:
             earlier = self._level.in_flight[: self._level.in_flight.index(self)]
             if all(h._phase2 is not None for h in earlier) and self._pending.done():
                 self._launch_phase2()
@@ -309,7 +307,7 @@ class SparseHandle:
             into[j].view(-1).view(torch.uint8).copy_(piece)
             return
         rows = piece.view(self._rows_dtype).view(p, -1, d)
-        active = self._selection.masks[j].nonzero().flatten()
+        active = self._selection.rows[j]
         if self._residual:
             into[j].index_add_(1, active, rows.to(into.dtype))
         else:

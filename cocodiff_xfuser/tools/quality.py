@@ -225,17 +225,17 @@ V_MAJOR_SWEEP = {
     "top-k 0.5 bf16": {"policy": "top-k", "fraction": 0.5, "residual_dtype": "bfloat16"},
     "threshold 0.1 fp8": {"policy": "threshold", "threshold": 0.1, "residual_dtype": "float8_e4m3fn"},
 }
-# Points without a residual dtype send active rows as values; every other knob is the shipped default.
-for _knobs in V_MAJOR_SWEEP.values():
-    _knobs.setdefault("residual_dtype", "none")
 
 
 def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, timeout: float = TIMEOUT_S,
                   progress: bool = True, points: dict[str, dict] | None = None) -> dict:
-    """Every V-Major setting of ``points`` (default :data:`V_MAJOR_SWEEP`) against stock, in one job."""
+    """Every V-Major setting of ``points`` (default :data:`V_MAJOR_SWEEP`) against stock, in one job.
+
+    A point without a residual dtype sends active rows as values; its other knobs are the shipped defaults.
+    """
     run.check()
     tiny_models.ensure_fixture(run.model)
-    points = V_MAJOR_SWEEP if points is None else points
+    points = {name: {"residual_dtype": "none", **knobs} for name, knobs in (V_MAJOR_SWEEP if points is None else points).items()}
     cases = [[prompt, seed] for prompt in prompts for seed in seeds]
     out.mkdir(parents=True, exist_ok=True)
     variants = {

@@ -43,17 +43,22 @@ def test_grid_has_a_column_per_case_and_three_rows(tmp_path):
     assert (grid[64:128] == 128).all() and (grid[128:] == 255).all()  # candidate; 10x |diff| clipped
 
 
-def test_lossless_configuration_reports_identical_images(tmp_path):
-    """The CLI on the trained model, TAPA forced through a passed-on xdit flag: identical images,
-    nothing saved on the slow link, and proof that the forced exchange ran."""
+def _quality_json(tmp_path, prompts: str, *flags: str) -> dict:
+    """``cocodiff quality --json`` on digits-flux, one seed per prompt, as a user runs it."""
     cocodiff = os.path.join(os.path.dirname(sys.executable), "cocodiff")
     result = subprocess.run(
-        [cocodiff, "quality", "--model", "digits-flux", "--prompts", "digit 3,digit 7", "--seeds", "1",
-         "--out", str(tmp_path), "--json", "--cocodiff_a2a", "hierarchical"],
+        [cocodiff, "quality", "--model", "digits-flux", "--prompts", prompts, "--seeds", "1",
+         "--out", str(tmp_path), "--json", *flags],
         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_lossless_configuration_reports_identical_images(tmp_path):
+    """The CLI on the trained model, TAPA forced through a passed-on xdit flag: identical images,
+    nothing saved on the slow link, and proof that the forced exchange ran."""
+    report = _quality_json(tmp_path, "digit 3,digit 7", "--cocodiff_a2a", "hierarchical")
     assert report["identical"] is True and math.isinf(report["psnr_db"]) and report["ssim"] == pytest.approx(1.0)
     assert report["slow_link_bytes"] > 0 and report["slow_link_bytes_saved_fraction"] == 0.0
     assert report["classifier_agreement"] == report["reference_classifier_agreement"] is not None
@@ -68,14 +73,7 @@ def test_lossless_configuration_reports_identical_images(tmp_path):
 def test_v_major_default_meets_its_quality_and_bytes_target(tmp_path):
     """``--v-major on`` at the shipped defaults on the trained model: within 35 dB of stock Ulysses,
     at least 40% of the slow-link bytes saved, and the sparse exchanges really ran."""
-    cocodiff = os.path.join(os.path.dirname(sys.executable), "cocodiff")
-    result = subprocess.run(
-        [cocodiff, "quality", "--model", "digits-flux", "--prompts", "digit 2,digit 5,digit 8", "--seeds", "1",
-         "--out", str(tmp_path), "--json", "--v-major", "on"],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _quality_json(tmp_path, "digit 2,digit 5,digit 8", "--v-major", "on")
     assert report["psnr_db"] >= 35 and not report["identical"], report["psnr_db"]
     assert report["slow_link_bytes_saved_fraction"] >= 0.4, report["slow_link_bytes_saved_fraction"]
     ran = report["ran"]["cocodiff"]
