@@ -5,8 +5,8 @@ consistent order, or ranks can deadlock. So every exchange here launches its ope
 points of the program that are the same on every rank (SPMD model code): at ``start``, in
 ``wait``, and in a TAPA handle's ``wait`` also the pending phases of the handles of the same
 group started before it, in start order. Nothing is launched because a local operation happened
-to complete first, with one exception: on gloo (CPU) a TAPA handle's ``progress`` launches its
-next phase once the previous one completed locally, which gloo tolerates (its collectives match
+to complete first, with one exception: on gloo (CPU) a TAPA handle's ``progress`` (and a two-phase
+V-Major handle's, :mod:`.sparse`) launches its next phase once the previous one completed locally, which gloo tolerates (its collectives match
 by order within one communicator, and a pair of ranks never waits on a third) and which keeps
 V-First's slow phases moving on the emulated clusters.
 
