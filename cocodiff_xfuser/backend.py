@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import NoReturn
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats, vmajor
-from cocodiff_xfuser.comm import faults, order, sparse
+from cocodiff_xfuser.comm import faults, layout, order, sparse
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
@@ -174,7 +175,32 @@ class CocodiffBackend:
         algorithm = "autotune"
         try:
             algorithm = self._algorithm(flat, label)
-            handle = _Reshaping(self, self.exchange.registry[algorithm].start(flat, self.group), x.shape, label, algorithm)
+            handle = _Reshaping(self, self.exchange.start(algorithm, flat, self.group), x.shape, label, algorithm)
+        except RuntimeError as e:
+            self._abort(label, algorithm, e)
+        self._pending.append(handle)
+        return handle
+
+    @torch.compiler.disable
+    def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> _Reshaping:
+        """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
+        source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
+        chosen exchange sends (:func:`cocodiff_xfuser.comm.layout.heads`)."""
+        b, h, s, d = tensors[0].shape
+        shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
+        # What the choice needs is the size, dtype and device; a real buffer only to measure with.
+        probe = tensors[0].new_empty(1).expand(math.prod(shape))
+        if self.exchange.measures(probe, self.group):
+            probe = tensors[0].new_empty(math.prod(shape))
+        algorithm = "autotune"
+        try:
+            algorithm = self._algorithm(probe, label)
+            if algorithm == "hierarchical" and self.exchange.parts(probe, self.group) == 1:
+                sends = self.exchange.registry.tapa.input_layout(self.group, tensors[0].device)
+                data, extra = layout.heads(tensors, self.levels, sends), {"layout": sends}
+            else:
+                data, extra = layout.heads(tensors, (self.world_size,), (0,)), {}
+            handle = _Reshaping(self, self.exchange.start(algorithm, data.view(-1), self.group, **extra), shape, label, algorithm)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
         self._pending.append(handle)
@@ -208,7 +234,7 @@ class CocodiffBackend:
         try:
             algorithm = self._algorithm(flat, label)
             with faults.inside(label, self._where(algorithm)):
-                return self.exchange.registry[algorithm].run(flat, self.group).reshape(x.shape)
+                return self.exchange.run(algorithm, flat, self.group).reshape(x.shape)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
 

@@ -56,8 +56,10 @@ class _Ran:
     labels: Counter = field(default_factory=Counter)  # label -> count
     v_first_calls: int = 0
     fallbacks: Counter = field(default_factory=Counter)  # reason -> count
+    reverted: Counter = field(default_factory=Counter)  # autotune choice reverted to flat mid-run -> count
     slow_link_bytes: int = 0
     slow_link_bytes_exact: int = 0
+    copied_bytes: int = 0  # local copies made around and inside cocodiff's exchanges
     # V-Major: (step, layer) -> [active tokens, tokens] summed over the layer's calls at that step.
     v_major: dict = field(default_factory=dict)
 
@@ -72,6 +74,14 @@ def count_exchange(algorithm: str, label: str, slow_link_bytes: int = 0, slow_li
     _ran.labels[label] += 1
     _ran.slow_link_bytes += slow_link_bytes
     _ran.slow_link_bytes_exact += slow_link_bytes_exact
+
+
+def count_copy(nbytes: int) -> None:
+    _ran.copied_bytes += nbytes
+
+
+def count_revert(choice: str) -> None:
+    _ran.reverted[choice] += 1
 
 
 def count_v_first_call() -> None:
@@ -90,7 +100,9 @@ def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
 
 def ran() -> dict:
     """This rank's counts since the last :func:`reset_ran`: ``exchanges`` (per algorithm), ``labels``,
-    ``v_first_calls``, ``fallbacks`` (per reason), ``slow_link_bytes`` and ``slow_link_bytes_exact``,
+    ``v_first_calls``, ``fallbacks`` (per reason), ``reverted`` (autotune choices the run-time
+    re-check found slower than ``flat``, per choice; ``flat`` ran afterwards), ``slow_link_bytes`` and ``slow_link_bytes_exact``,
+    ``copied_bytes`` (local copies around and inside the exchanges: layout changes, re-blocking),
     and ``v_major``: the tokens V-Major sent over slow links, ``active``, of ``tokens``, in total,
     per step and per layer."""
     return {
@@ -98,8 +110,10 @@ def ran() -> dict:
         "labels": dict(_ran.labels),
         "v_first_calls": _ran.v_first_calls,
         "fallbacks": dict(_ran.fallbacks),
+        "reverted": dict(_ran.reverted),
         "slow_link_bytes": _ran.slow_link_bytes,
         "slow_link_bytes_exact": _ran.slow_link_bytes_exact,
+        "copied_bytes": _ran.copied_bytes,
         "v_major": _v_major_report(_ran.v_major),
     }
 
@@ -120,13 +134,14 @@ def _v_major_report(counts: dict) -> dict:
 
 def sum_ran(reports: list[dict]) -> dict:
     """The :func:`ran` reports of several ranks, summed."""
-    numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact")
-    total = {"exchanges": Counter(), "labels": Counter(), "fallbacks": Counter(), **dict.fromkeys(numbers, 0)}
+    numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact", "copied_bytes")
+    counters = ("exchanges", "labels", "fallbacks", "reverted")
+    total = {**{key: Counter() for key in counters}, **dict.fromkeys(numbers, 0)}
     for report in reports:
-        for key in ("exchanges", "labels", "fallbacks"):
-            total[key].update(report[key])
+        for key in counters:
+            total[key].update(report.get(key, {}))
         for key in numbers:
-            total[key] += report[key]
+            total[key] += report.get(key, 0)
     summed = {key: dict(value) if isinstance(value, Counter) else value for key, value in total.items()}
     summed["v_major"] = _sum_shares([r["v_major"] for r in reports if "v_major" in r])
     return summed

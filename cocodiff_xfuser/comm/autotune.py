@@ -3,27 +3,42 @@
 Candidates are the algorithms of :mod:`.registry` that can exchange the message over the group:
 ``flat`` (stock: ``all_to_all_single`` through functional collectives, what xfuser does),
 ``flat-p2p`` (the same exchange with every receive posted before any send; gloo groups only)
-and ``hierarchical`` (TAPA; groups with a plan of two or more levels). Which wins depends on the
-links, the backend and the message size (Tutel: hierarchical loses for large messages at small
-scale; on a shared node uplink it always loses), so the ``auto`` setting times the candidates on
-the real group the first time a size bucket (next power of two of the bytes per rank) is seen,
-then caches the decision. On a tie (within ``margin``) the simpler algorithm wins.
+and ``hierarchical`` (TAPA; groups with a plan of two or more levels), the latter also
+pipelined in 2 or 4 parts for messages of at least ``PIPELINE_MIN_BYTES``. Which wins depends
+on the links, the backend and the message size (Tutel: hierarchical loses for large messages at
+small scale; on a shared node uplink it always loses), so the ``auto`` setting times the
+candidates on the real group the first time a size bucket (next power of two of the bytes per
+rank) is seen, then caches the decision.
+
+Never slower than stock. Stock ``flat`` is left only on evidence: every candidate is timed
+against ``flat`` in pairs (adjacent in time, order alternating, so drifts and background bursts
+hit both alike), each sample a burst of back-to-back calls (the steady state of a denoising
+loop, where an exchange follows the previous one's tail; small messages get longer bursts and
+more pairs, they are cheap), and a candidate qualifies only if the median of its paired ratios
+to ``flat`` is below ``1 - margin`` and a one-sided 95% upper confidence bound of that median
+(distribution-free, from the order statistics of the ratios) is below 1. Among qualifying
+candidates the fastest wins, a simpler one on a tie within ``margin``. After ``RECHECK_USES``
+uses of a decision that left ``flat``, the choice is timed against ``flat`` once more, during
+the run; if it is slower by the median, the bucket reverts to ``flat`` for good (logged, and
+counted in :func:`cocodiff_xfuser.commstats.ran` as ``reverted``).
 
 Collective safety: a measurement is a sequence of collectives over the group, so every rank of
 the group must reach ``choose`` for the same bucket at the same point, which SPMD model code
-does. The timings are reduced with MAX over the group so that all ranks compute the same
-decision from the same numbers; a disagreement would hang the job. For the same reason, an
-imported cache must be imported on every rank.
+does; the re-check is tied to use counts, which are equal on every rank, never to timing. The
+timings are reduced with MAX over the group so that all ranks compute the same decision from
+the same numbers; a disagreement would hang the job. For the same reason, an imported cache
+must be imported on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,16 +50,35 @@ from .registry import A2A_SETTINGS, ALGORITHMS, Registry
 
 logger = logging.getLogger("cocodiff_xfuser")
 
+#: Parts a pipelined hierarchical exchange is measured with (1 is the plain one).
+PIPELINE_PARTS = (2, 4)
+#: Below this many bytes per rank pipelining is not measured: per-message overhead dominates.
+PIPELINE_MIN_BYTES = 1 << 20
+#: Uses of a decision after which it is timed against ``flat`` again (once).
+RECHECK_USES = 24
+#: At and above this many bytes per rank a sample is a burst of 2 calls and ``reps`` pairs are taken.
+LARGE_BYTES = 4 << 20
+#: Most pairs / calls per sample for the smallest messages.
+MAX_REPS = 31
+MAX_BURST = 8
+
 
 @dataclass(frozen=True)
 class Decision:
     group: tuple[int, ...]
     bucket_bytes: int
     algorithm: str
-    # Per candidate, the median over repetitions of the max over ranks. None: not measured (not a candidate on that group).
+    # Per algorithm, the median over pairs of the max over ranks (seconds per call); None: not a candidate.
     flat_s: float | None = None
     hierarchical_s: float | None = None
     flat_p2p_s: float | None = None
+    parts: int = 1  # pipeline parts of the hierarchical exchange
+    ratio: float | None = None  # chosen / flat: median of the paired ratios (1 for flat)
+    ratio_upper: float | None = None  # its one-sided 95% upper confidence bound
+    pairs: int | None = None
+    # Every candidate's (median, upper bound) of the paired ratio to flat, by candidate key.
+    ratios: dict[str, list[float]] = field(default_factory=dict, compare=False)
+    reverted_from: str | None = None  # the choice the run-time re-check found slower than flat
 
 
 def _ms(t: float | None) -> str:
@@ -56,30 +90,73 @@ def size_bucket(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 0).bit_length()
 
 
-def time_interleaved(
+def candidate_key(algorithm: str, parts: int = 1) -> str:
+    """``hierarchical`` pipelined in 4 parts is ``hierarchical/4``."""
+    return algorithm if parts == 1 else f"{algorithm}/{parts}"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    name, _, parts = key.partition("/")
+    return name, int(parts or 1)
+
+
+def sampling(nbytes: int, reps: int) -> tuple[int, int]:
+    """(pairs, calls per sample) for a message of ``nbytes`` per rank: ``reps`` pairs of 2-call
+    bursts at ``LARGE_BYTES`` and above; below, both grow with the square root of the size
+    ratio, so the measured time per candidate stays bounded while small, noisy samples get more
+    averaging."""
+    scale = math.sqrt(LARGE_BYTES / max(nbytes, 1))
+    if scale <= 1:
+        return reps, 2
+    return min(MAX_REPS, round(reps * scale) | 1), min(MAX_BURST, max(2, round(2 * scale)))
+
+
+def median_upper_bound(ratios: Sequence[float], confidence: float = 0.95) -> float:
+    """One-sided upper confidence bound of the median of ``ratios`` (distribution-free).
+
+    The k-th smallest of n samples exceeds the true median with probability P(Bin(n, 1/2) <= k-1);
+    this returns the smallest order statistic for which that reaches ``confidence`` (the maximum
+    when n is too small for any other)."""
+    xs = sorted(ratios)
+    n = len(xs)
+    cdf = 0.0
+    for k in range(1, n + 1):
+        cdf += math.comb(n, k - 1) / 2**n
+        if cdf >= confidence:
+            return xs[k - 1]
+    return xs[-1]
+
+
+def time_paired(
     ops: Mapping[str, Callable[[], Any]],
     group: Any,
     device: torch.device,
     reps: int,
+    burst: int = 1,
     warmup: int = 1,
 ) -> dict[str, list[float]]:
-    """Seconds per repetition of each op, max over the ranks of ``group`` (collective).
+    """Seconds per call of each op, one sample per op and repetition, max over the ranks of
+    ``group`` (collective).
 
-    The ops run interleaved (A B A B ...) so that drifts hit them alike; each run is
-    barrier -> op -> device sync. Warm-up runs (connection setup, allocation) are dropped.
+    Each repetition runs every op once (rotating and alternating the order, so that each op
+    follows each other op and adjacent samples pair up); a sample is barrier -> ``burst`` calls
+    back to back -> device sync, divided by ``burst``. Warm-up repetitions are dropped.
     """
     names = list(ops)
     times = torch.zeros(len(names), reps, dtype=torch.float64)
     for rep in range(warmup + reps):
-        for i, name in enumerate(names):
+        k = rep % len(names)
+        rotated = names[k:] + names[:k]
+        for name in rotated if rep % 2 else rotated[::-1]:
             order.launched(group, "barrier")
             dist.barrier(group=group)
             detect().synchronize(device)
             t0 = time.perf_counter()
-            ops[name]()
+            for _ in range(burst):
+                ops[name]()
             detect().synchronize(device)
             if rep >= warmup:
-                times[i, rep - warmup] = time.perf_counter() - t0
+                times[names.index(name), rep - warmup] = (time.perf_counter() - t0) / burst
     # The reduction must run on the device the backend serves (NCCL/XCCL need device tensors).
     times = times.to(device)
     order.launched(group, "all_reduce")
@@ -87,36 +164,39 @@ def time_interleaved(
     return {name: times[i].tolist() for i, name in enumerate(names)}
 
 
+def paired_ratios(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
+    """Per candidate other than ``flat``: its time / flat's, repetition by repetition."""
+    flat = times["flat"]
+    return {name: [t / f for t, f in zip(ts, flat)] for name, ts in times.items() if name != "flat"}
+
+
 class AutoAllToAll:
     """All-to-all that picks an algorithm of ``registry`` per (group, size bucket).
 
     ``a2a``: ``"auto"`` (measure the eligible algorithms on first use) or one algorithm, used
     wherever it can run; where it cannot (``hierarchical`` on a group within one level, ``flat-p2p``
-    off gloo), ``flat`` runs and the fall-back is counted (:func:`cocodiff_xfuser.commstats.ran`). The simplest candidate whose
-    time is within ``margin`` (relative) of the fastest one is chosen: on a tie the simpler
-    exchange wins.
+    off gloo), ``flat`` runs and the fall-back is counted (:func:`cocodiff_xfuser.commstats.ran`).
+    ``reps``: pairs per candidate for large messages (more for small ones, see :func:`sampling`);
+    ``margin``: how much faster than ``flat`` (relative) a candidate must measure to be chosen.
     """
 
-    def __init__(self, registry: Registry, a2a: str = "auto", reps: int = 7, margin: float = 0.03) -> None:
+    def __init__(self, registry: Registry, a2a: str = "auto", reps: int = 9, margin: float = 0.03) -> None:
         if a2a not in A2A_SETTINGS:
             raise ValueError(f"all-to-all {a2a!r}: expected one of {', '.join(A2A_SETTINGS)}")
-        # The median, not the best repetition: gloo's stock exchange has a bimodal time (its
-        # send-before-receive order serializes a pair's two directions in some repetitions and not
-        # in others; measured on an emulated 2x2 shared uplink at 16 MiB: min 65 ms, median 104 ms,
-        # while flat-p2p was 66 / 75 ms), so its minimum is not what a run gets. Candidates run
-        # interleaved, so background bursts hit them alike; ``reps`` is odd so the median is one run.
         self.registry = registry
         self.a2a = a2a
         self.reps = reps
         self.margin = margin
         self.decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
+        self._uses: dict[tuple[tuple[int, ...], int], int] = {}
         self._warned: set[str] = set()
         self._group_ranks: dict[Any, tuple[int, ...]] = {}
 
     def choose(self, x: torch.Tensor, group: Any = None) -> str:
         """The algorithm (one of ``ALGORITHMS``) for exchanging ``x`` over ``group``.
 
-        Collective over ``group`` with the ``auto`` setting when the (group, size bucket) is new.
+        Collective over ``group`` with the ``auto`` setting when the (group, size bucket) is new,
+        and once more at its ``RECHECK_USES``-th use when the decision left ``flat``.
         """
         group = group if group is not None else dist.group.WORLD
         if self.a2a != "auto":
@@ -129,25 +209,54 @@ class AutoAllToAll:
                 logger.warning("cocodiff: %s; using flat", key)
             commstats.count_fallback(key)
             return "flat"
-        candidates = self.registry.eligible(x, group)
+        candidates = self._candidates(x, group)
         if len(candidates) == 1:
             return candidates[0]
-        key = (self._ranks(group), size_bucket(x.numel() * x.element_size()))
+        key = self._key(x, group)
         if key not in self.decisions:
             self.decisions[key] = self._measure(x, group, *key, candidates)
             d = self.decisions[key]
             logger.info(
-                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, hierarchical %s)",
-                list(d.group), d.bucket_bytes, d.algorithm, _ms(d.flat_s), _ms(d.flat_p2p_s), _ms(d.hierarchical_s),
+                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, hierarchical %s; %s)",
+                list(d.group), d.bucket_bytes, candidate_key(d.algorithm, d.parts), _ms(d.flat_s), _ms(d.flat_p2p_s),
+                _ms(d.hierarchical_s), _ratios_text(d.ratios),
             )
+        self._uses[key] = self._uses.get(key, 0) + 1
+        if self._uses[key] == RECHECK_USES and self.decisions[key].algorithm != "flat":
+            self._recheck(x, group, key)
         return self.decisions[key].algorithm
+
+    def parts(self, x: torch.Tensor, group: Any = None) -> int:
+        """Pipeline parts for the hierarchical exchange of ``x`` (after :meth:`choose`); 1 where the
+        bucket's decision does not split this size (a bucket spans sizes)."""
+        group = group if group is not None else dist.group.WORLD
+        d = self.decisions.get(self._key(x, group))
+        if d is None or d.algorithm != "hierarchical" or d.parts == 1:
+            return 1
+        return d.parts if self.registry.tapa.reason(x, group, d.parts) is None else 1
+
+    def start(self, algorithm: str, x: torch.Tensor, group: Any = None, **layout: Any):
+        """Start ``algorithm`` (what :meth:`choose` returned) on ``x``, with the decided parts;
+        ``layout=`` goes to the hierarchical exchange (see :func:`.layout.heads`)."""
+        return self.registry[algorithm].start(x, group, **self._options(algorithm, x, group), **layout)
+
+    def run(self, algorithm: str, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """Blocking :meth:`start`."""
+        return self.registry[algorithm].run(x, group, **self._options(algorithm, x, group))
+
+    def _options(self, algorithm: str, x: torch.Tensor, group: Any) -> dict[str, int]:
+        parts = self.parts(x, group) if algorithm == "hierarchical" else 1
+        return {"parts": parts} if parts > 1 else {}
 
     def measures(self, x: torch.Tensor, group: Any = None) -> bool:
         """Whether :meth:`choose` will measure (collectively) for ``x`` over ``group``."""
         group = group if group is not None else dist.group.WORLD
         if self.a2a != "auto" or len(self.registry.eligible(x, group)) == 1:
             return False
-        return (self._ranks(group), size_bucket(x.numel() * x.element_size())) not in self.decisions
+        key = self._key(x, group)
+        if key not in self.decisions:
+            return True
+        return self._uses.get(key, 0) + 1 == RECHECK_USES and self.decisions[key].algorithm != "flat"
 
     def to_dict(self) -> dict[str, Any]:
         topology = self.registry.tapa.topology if self.registry.tapa is not None else None
@@ -159,36 +268,85 @@ class AutoAllToAll:
 
     def load_dict(self, data: Mapping[str, Any]) -> None:
         """Add decisions from ``to_dict`` output; every rank must load the same data."""
+        known = {f.name for f in dataclasses.fields(Decision)}
         for raw in data.get("decisions", []):
-            known = {f.name for f in dataclasses.fields(Decision)}
             d = Decision(**{k: v for k, v in raw.items() if k in known} | {"group": tuple(raw["group"])})
             if d.algorithm not in ALGORITHMS:
                 raise ValueError(f"invalid algorithm {d.algorithm!r} in decision {raw}")
+            if not isinstance(d.parts, int) or d.parts < 1:
+                raise ValueError(f"invalid parts {d.parts!r} in decision {raw}")
             self.decisions[(d.group, d.bucket_bytes)] = d
 
-    def _ranks(self, group: Any) -> tuple[int, ...]:
+    def _key(self, x: torch.Tensor, group: Any) -> tuple[tuple[int, ...], int]:
         if group not in self._group_ranks:
             self._group_ranks[group] = tuple(sorted(dist.get_process_group_ranks(group)))
-        return self._group_ranks[group]
+        return self._group_ranks[group], size_bucket(x.numel() * x.element_size())
+
+    def _candidates(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
+        names = self.registry.eligible(x, group)
+        if "hierarchical" in names and x.numel() * x.element_size() >= PIPELINE_MIN_BYTES:
+            tapa = self.registry.tapa
+            names += tuple(candidate_key("hierarchical", p) for p in PIPELINE_PARTS if tapa.reason(x, group, p) is None)
+        return names
+
+    def _time(self, x: torch.Tensor, group: Any, keys: Sequence[str], reps: int) -> dict[str, list[float]]:
+        def op(key: str) -> Callable[[], Any]:
+            name, parts = split_key(key)
+            options = {"parts": parts} if parts > 1 else {}
+            return lambda: self.registry[name].run(x, group, **options)
+
+        pairs, burst = sampling(x.numel() * x.element_size(), reps)
+        return time_paired({key: op(key) for key in keys}, group, x.device, pairs, burst)
 
     def _measure(
         self, x: torch.Tensor, group: Any, ranks: tuple[int, ...], bucket: int, candidates: tuple[str, ...]
     ) -> Decision:
-        ops = {name: (lambda run=self.registry[name].run: run(x, group)) for name in candidates}
-        times = time_interleaved(ops, group, x.device, self.reps)
-        best = {name: float(statistics.median(t)) for name, t in times.items()}
-        algorithm = pick(best, self.margin)
+        times = self._time(x, group, candidates, self.reps)
+        ratios = {key: [statistics.median(r), median_upper_bound(r)] for key, r in paired_ratios(times).items()}
+        chosen = pick(ratios, self.margin)
+        median = {key: float(statistics.median(t)) for key, t in times.items()}
+        hier = min((k for k in median if k.startswith("hierarchical")), key=median.get, default=None)
+        name, parts = split_key(chosen)
+        ratio, upper = ratios.get(chosen, [1.0, 1.0])
         return Decision(
-            ranks, bucket, algorithm, best.get("flat"), best.get("hierarchical"), best.get("flat-p2p")
+            ranks, bucket, name, median["flat"], None if hier is None else median[hier], median.get("flat-p2p"),
+            parts=parts, ratio=ratio, ratio_upper=upper, pairs=len(times["flat"]), ratios=ratios,
         )
 
+    def _recheck(self, x: torch.Tensor, group: Any, key: tuple[tuple[int, ...], int]) -> None:
+        """Time the decision against ``flat`` again, mid-run; revert to ``flat`` if it is slower."""
+        d = self.decisions[key]
+        chosen = candidate_key(d.algorithm, d.parts)
+        ratios = paired_ratios(self._time(x, group, ("flat", chosen), self.reps))[chosen]
+        ratio = statistics.median(ratios)
+        if ratio <= 1.0:
+            logger.info("all-to-all over group %s, %d-byte bucket: %s re-checked at %.2fx of flat's time", list(d.group), d.bucket_bytes, chosen, ratio)
+            return
+        self.decisions[key] = dataclasses.replace(
+            d, algorithm="flat", parts=1, ratio=1.0, ratio_upper=1.0, reverted_from=chosen
+        )
+        logger.warning(
+            "cocodiff: all-to-all over group %s, %d-byte bucket: %s took %.2fx flat's time when re-checked; using flat",
+            list(d.group), d.bucket_bytes, chosen, ratio,
+        )
+        commstats.count_revert(chosen)
 
-def pick(times: Mapping[str, float], margin: float) -> str:
-    """The algorithm to use given each candidate's time: the fastest, unless a simpler candidate
-    (earlier in ``ALGORITHMS``) is within ``margin`` of it. Deterministic: equal inputs give the
-    same answer on every rank."""
-    fastest = min(times.values())
-    for name in ALGORITHMS:
-        if name in times and fastest >= times[name] * (1 - margin):
-            return name
-    raise ValueError(f"no known algorithm in {sorted(times)}")
+
+def _ratios_text(ratios: Mapping[str, Sequence[float]]) -> str:
+    return ", ".join(f"{k} {m:.2f}x (<= {u:.2f}x)" for k, (m, u) in ratios.items()) + " of flat's time"
+
+
+def pick(ratios: Mapping[str, Sequence[float]], margin: float) -> str:
+    """The candidate to use given each non-flat candidate's (median, upper bound) of its paired
+    time ratio to ``flat``: ``flat`` unless some candidate is faster by more than ``margin`` at
+    the median and faster at the upper bound; then the fastest such candidate, or a simpler one
+    (earlier in ``ALGORITHMS``, fewer parts) within ``margin`` of it. Deterministic: equal inputs
+    give the same answer on every rank."""
+    qualified = {k: m for k, (m, u) in ratios.items() if m <= 1 - margin and u < 1}
+    if not qualified:
+        return "flat"
+    fastest = min(qualified.values())
+    for key in sorted(qualified, key=lambda k: (ALGORITHMS.index(split_key(k)[0]), split_key(k)[1])):
+        if fastest >= qualified[key] * (1 - margin):
+            return key
+    raise AssertionError("unreachable: the fastest candidate qualifies")

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
+from .. import commstats
 from . import faults, order
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -186,6 +187,7 @@ def post_receives_first(
     order.launched(group, f"p2p (tag {tag})")
     works = post_pieces([pieces(chunk) for chunk in recv], [pieces(chunk) for chunk in send], group, tag)
     recv[me].copy_(send[me])
+    commstats.count_copy(send[me].numel() * send.element_size())
     return works
 
 

@@ -28,8 +28,9 @@ class Algorithm:
 
     name: str
     reason: Callable[[torch.Tensor, Any], str | None]  # why it cannot exchange (x, group); None: it can
-    start: Callable[[torch.Tensor, Any], AllToAllHandle]  # asynchronous, pollable with ``progress``
-    run: Callable[[torch.Tensor, Any], torch.Tensor]  # blocking; what the autotune measures
+    start: Callable[..., AllToAllHandle]  # (x, group), asynchronous, pollable with ``progress``
+    run: Callable[..., torch.Tensor]  # (x, group), blocking; what the autotune measures
+    # ``hierarchical`` also takes ``parts=`` (pipelining, see :mod:`.tapa`).
 
 
 class Registry:

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from cocodiff_xfuser import backend, commstats, vmajor
+from cocodiff_xfuser.comm import layout as comm_layout
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.comm.sparse import agree_selection
 from cocodiff_xfuser.platform import detect
@@ -45,17 +46,24 @@ class PendingExchange:
         b, h, s, d = tensors[0].shape
         active = backend.active()
         world = active.world_size
-        self._shape = (len(tensors), b, h // world, d)
+        self._n = len(tensors)
         self._label = label
-        # Destination-major like xfuser's _combined_qkv_all_to_all: [W, n, b, h/W, s, d].
-        stacked = torch.stack(tensors).view(len(tensors), b, world, h // world, s, d).permute(2, 0, 1, 3, 4, 5)
-        stacked = stacked.contiguous()
-        self._nbytes = stacked.numel() * stacked.element_size()
+        self._nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._name = "v" if layer is not None else "qk"
+        self._stacked_shape = (world, len(tensors), b, h // world, s, d)
+        self._started = time.perf_counter()
+        if v_major is None and (layer is None or active.slow_level is None):
+            # Exact: the head blocks are written once, in the order the chosen exchange sends.
+            self.v_major = None
+            self._calibration = commstats.calibrating(label, self._nbytes)
+            self._handle = active.start_heads(tensors, label)
+            self._exchanged = self._handle.wait() if self._calibration else None
+            return
+        # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
+        stacked = comm_layout.heads(tensors, (world,), (0,))
         if layer is not None and active.slow_level is not None:
             v_major = layer.begin(stacked)
         self.v_major = v_major if v_major is not None and v_major.covers(self._name, stacked) else None
-        self._started = time.perf_counter()
         if self.v_major is not None and self.v_major.mask is not None:
             if self.v_major.selection is None:  # V's exchange agrees the masks; Q/K's reuse them
                 self.v_major.selection = agree_selection(self.v_major.mask, active.group)
@@ -72,7 +80,6 @@ class PendingExchange:
                 self.v_major.rows(self._name, stacked)
             self._calibration = commstats.calibrating(label, self._nbytes)
             self._handle = active.start(stacked, label)
-        self._stacked_shape = stacked.shape
         self._exchanged = self._handle.wait() if self._calibration else None
 
     def progress(self) -> None:
@@ -89,8 +96,7 @@ class PendingExchange:
         if commstats.enabled():
             detect().synchronize(exchanged.device)
             commstats.record_async(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
-        n, b, local_heads, d = self._shape
-        return torch.unbind(exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, -1, d), dim=0)
+        return comm_layout.sequence(exchanged.view(self._stacked_shape), self._n)
 
 
 def start_input_exchange(

@@ -6,7 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from cocodiff_xfuser.comm.autotune import pick, size_bucket
+from cocodiff_xfuser.comm.autotune import (
+    MAX_BURST,
+    MAX_REPS,
+    candidate_key,
+    median_upper_bound,
+    pick,
+    sampling,
+    size_bucket,
+    split_key,
+)
 from cocodiff_xfuser.comm.registry import A2A_SETTINGS, ALGORITHMS
 from cocodiff_xfuser.tools.launcher import torchrun
 
@@ -25,14 +34,38 @@ def test_size_bucket():
     assert [size_bucket(n) for n in (0, 1, 2, 3, 4, 5, 4096, 4097)] == [1, 1, 2, 4, 4, 8, 4096, 8192]
 
 
-def test_pick_prefers_simpler_within_margin():
-    assert pick({"flat": 1.0, "flat-p2p": 0.98, "hierarchical": 0.5}, 0.03) == "hierarchical"
-    assert pick({"flat": 1.0, "flat-p2p": 0.98, "hierarchical": 0.975}, 0.03) == "flat"
-    assert pick({"flat": 1.0, "flat-p2p": 0.6, "hierarchical": 0.59}, 0.03) == "flat-p2p"
-    assert pick({"flat": 1.0, "hierarchical": 0.9}, 0.03) == "hierarchical"
-    assert pick({"flat": 1.0}, 0.03) == "flat"
-    # Reduced (identical) timings give identical picks; order of the mapping does not matter.
-    assert pick({"hierarchical": 0.5, "flat": 1.0}, 0.03) == pick({"flat": 1.0, "hierarchical": 0.5}, 0.03)
+def test_pick_needs_evidence_before_leaving_flat():
+    # (median ratio to flat, upper confidence bound): both must say "faster".
+    assert pick({"flat-p2p": [0.98, 1.0], "hierarchical": [0.5, 0.6]}, 0.03) == "hierarchical"
+    assert pick({"flat-p2p": [0.9, 1.02], "hierarchical": [0.5, 1.1]}, 0.03) == "flat"  # noisy: stays stock
+    assert pick({"flat-p2p": [0.98, 0.99]}, 0.03) == "flat"  # within the margin
+    assert pick({"flat-p2p": [0.6, 0.7], "hierarchical": [0.59, 0.65]}, 0.03) == "flat-p2p"  # simpler on a tie
+    assert pick({"hierarchical": [0.5, 0.6], "hierarchical/2": [0.49, 0.55]}, 0.03) == "hierarchical"
+    assert pick({"hierarchical": [0.5, 0.6], "hierarchical/4": [0.3, 0.4]}, 0.03) == "hierarchical/4"
+    assert pick({}, 0.03) == "flat"
+    # Reduced (identical) inputs give identical picks; the order of the mapping does not matter.
+    a = {"hierarchical": [0.5, 0.6], "flat-p2p": [0.49, 0.52]}
+    assert pick(a, 0.03) == pick(dict(reversed(list(a.items()))), 0.03) == "flat-p2p"
+
+
+def test_median_upper_bound_is_a_distribution_free_order_statistic():
+    # n=7: only the maximum bounds the median at 95% (P(Bin(7, 1/2) <= 5) = 0.9375).
+    assert median_upper_bound([0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.2]) == 1.2
+    # n=9: the 8th smallest (P(Bin(9, 1/2) <= 7) = 0.98).
+    assert median_upper_bound([float(i) for i in range(9)]) == 7.0
+    assert median_upper_bound([2.0]) == 2.0
+
+
+def test_sampling_grows_for_small_messages():
+    assert sampling(16 << 20, 9) == (9, 2) and sampling(4 << 20, 9) == (9, 2)
+    pairs, burst = sampling(1 << 20, 9)
+    assert pairs == 19 and burst == 4  # 2x the pairs (odd) and calls per sample at 1/4 the size
+    assert sampling(1 << 10, 9) == (MAX_REPS, MAX_BURST)
+
+
+def test_candidate_keys_round_trip():
+    assert candidate_key("hierarchical", 4) == "hierarchical/4" and candidate_key("flat") == "flat"
+    assert split_key("hierarchical/4") == ("hierarchical", 4) and split_key("flat-p2p") == ("flat-p2p", 1)
 
 
 def test_modes_cover_algorithms():
@@ -64,8 +97,12 @@ def test_bench_a2a_cli():
     assert report["timing"] == "common-start"  # every rank on this host
     assert [r["size_bytes"] for r in report["results"]] == [1 << 18, 1 << 20]
     for r in report["results"]:
-        assert r["chosen"] in report["candidates"]
+        assert r["chosen"] in r["times_s"]
         for name in ("flat", "flat_p2p", "hierarchical", "hierarchical_collective"):
             assert 0 < r[f"{name}_min_s"] <= r[f"{name}_s"] and len(r["times_s"][name]) == 3
+        # Pipelined candidates from 1 MiB per rank on.
+        assert ("hierarchical_x2" in r["times_s"]) == (r["size_bytes"] >= 1 << 20)
+        u = r["ulysses"]  # xfuser's layout (stack, contiguous, reshape) vs cocodiff's, bitwise checked
+        assert u["cocodiff_copies_per_exchange"] < u["xfuser_copies_per_exchange"] and u["cocodiff_layout_s"] > 0
         assert r["chosen_s"] == r[f"{r['chosen']}_s"]
         assert r["speedup_vs_flat"] == pytest.approx(r["flat_s"] / r["chosen_s"])

@@ -15,7 +15,10 @@ from cocodiff_xfuser.tools.launcher import TorchrunError, torchrun
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "collectives_worker.py"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-CASES = ["sparse", "v_major_layer", "agreement", "semantics", "layouts", "subgroups", "async", "uneven", "p2p", "p2p_async"]
+CASES = [
+    "sparse", "v_major_layer", "agreement", "semantics", "layouts", "subgroups", "async", "uneven", "p2p", "p2p_async",
+    "pipelined", "ulysses_layout",
+]
 
 
 def run_cases(nproc: int) -> str:

@@ -34,6 +34,9 @@ def test_run_cli_reports_unavailable_fabric(monkeypatch, capsys):
     args = argparse.Namespace(fabric="rail", nodes=2, local=2, sizes_mib="1", reps=1, out=None, json=True)
     assert bench.run_cli(args) == 2
     assert "no namespaces in this test" in capsys.readouterr().err
+    args.fabric, args.shapes = None, "2x2,2y2"  # bad input: one line, nothing launched
+    assert bench.run_cli(args) == 2
+    assert "--shapes: '2y2' is not NODESxLOCAL" in capsys.readouterr().err
 
 
 def _need_fabric():
@@ -47,17 +50,23 @@ def _need_fabric():
 def test_smoke_rail_2x2(tmp_path, capsys):
     _need_fabric()
     args = argparse.Namespace(
-        fabric="rail", nodes=2, local=2, sizes_mib="0.5", reps=2, out=str(tmp_path), json=True, timeout=50
+        fabric="rail", shapes="2x2", sizes_mib="0.5", reps=2, out=str(tmp_path), json=True, timeout=50
     )
     t0 = time.monotonic()
     rc = bench.run_cli(args)  # the worker checks every algorithm bitwise against the stock one
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert time.monotonic() - t0 < 60
-    report = json.loads(captured.out)
-    assert report == json.loads((tmp_path / "a2a.json").read_text())
-    assert (tmp_path / "a2a.png").stat().st_size > 1000
-    assert "flat (stock)" in captured.err  # the table goes to stderr with --json
+    summary = json.loads(captured.out)
+    assert summary == json.loads((tmp_path / "a2a-rail.json").read_text())
+    report = summary["reports"]["2x2"]
+    assert report == json.loads((tmp_path / "a2a-rail-2x2.json").read_text())
+    assert (tmp_path / "a2a-rail-2x2.png").stat().st_size > 1000
+    assert "flat (stock)" in captured.err and "summary on rail" in captured.err  # tables go to stderr with --json
+    (row,) = summary["summary"]
+    assert row["shape"] == "2x2" and row["worst_vs_stock"] == report["results"][0]["speedup_vs_flat"]
+    assert row["worst_fraction_of_bound_ge_4mib"] is None  # no size >= 4 MiB in this run
+    assert row["copies_per_exchange"]["cocodiff"] < row["copies_per_exchange"]["xfuser"]
     # The fabric (namespaces ccd-a<pid>-*) is torn down.
     prefix = f"ccd-a{os.getpid() % 100000}-"
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -81,7 +90,8 @@ def test_smoke_rail_2x2(tmp_path, capsys):
     assert r["bound_s"] == pytest.approx(Fabric("rail", 2, 2).bound_s("all_to_all", 1 << 19))
     assert r["bound_flat_routes_s"] == pytest.approx(2 * r["bound_s"])
     assert r["fraction_of_bound"] == pytest.approx(r["chosen_s"] / r["bound_s"])
-    assert set(r["autotune_s"]) == {"flat", "flat_p2p", "hierarchical"}
+    assert set(r["autotune"]["ratios"]) == {"flat_p2p", "hierarchical"}  # no pipelining below 1 MiB
+    assert r["ulysses"]["cocodiff_layout_s"] > 0
 
 
 @pytest.mark.slow

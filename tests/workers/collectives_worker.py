@@ -23,9 +23,9 @@ import dataclasses
 
 import cocodiff_xfuser.comm.autotune as autotune
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import sparse
+from cocodiff_xfuser.comm import layout, order, sparse
 from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
-from cocodiff_xfuser.comm.autotune import AutoAllToAll
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, size_bucket
 from cocodiff_xfuser.comm.flat import (
     FlatHandle,
     ReceivesFirstHandle,
@@ -110,6 +110,87 @@ def case_layouts() -> None:
         hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
         check(hier.levels() == levels, f"{spec}: levels {hier.levels()} != {levels}")
         check_against_flat(hier, dist.group.WORLD, WORLD, tag=spec)
+
+
+def _topologies() -> dict[str, tuple[int, ...]]:
+    return {4: {"2x2": (2, 2)}, 8: {"2x4": (2, 4), "4x2": (4, 2), "2x2x2": (2, 2, 2)}}[WORLD]
+
+
+def case_pipelined() -> None:
+    """TAPA in 2 and 4 parts: bitwise the flat exchange in every mode, several in flight, and no
+    more local copies than one part on gloo (the parts write straight into the output)."""
+    for spec in _topologies():
+        hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
+        for parts in (2, 4):
+            for seed, dtype in enumerate(DTYPES):
+                x = rand_bits((WORLD * parts * 6,), dtype, 900 + seed)
+                x_before, ref = x.clone(), flat_all_to_all(x)
+                check(same_bits(hier(x, parts=parts), ref), f"{spec} x{parts} {dtype}: != flat")
+                for receives_first in (True, False):
+                    h = hier.start(x, receives_first=receives_first, parts=parts)
+                    h.progress()
+                    check(same_bits(h.wait(), ref), f"{spec} x{parts} {dtype} receives_first={receives_first}: != flat")
+                check(same_bits(x, x_before), f"{spec} x{parts} {dtype}: input modified")
+            xs = [rand_bits((WORLD * parts * 64,), torch.float32, 950 + i) for i in range(3)]
+            handles = [hier.start(xs[0], parts=parts), hier.start(xs[1]), hier.start(xs[2], parts=parts, pollable=False)]
+            for i in (2, 0, 1):  # waited out of start order
+                check(same_bits(handles[i].wait(), flat_all_to_all(xs[i])), f"{spec} x{parts}: in flight #{i}")
+            copied = []
+            for n in (1, parts):
+                before = commstats.ran()["copied_bytes"]
+                hier(xs[0], parts=n)
+                copied.append(commstats.ran()["copied_bytes"] - before)
+            check(copied[0] == copied[1], f"{spec} x{parts}: pipelining copied {copied[1]} bytes, one part {copied[0]}")
+        check(hier.reason(torch.zeros(WORLD * 3), None, parts=2) is not None, f"{spec}: indivisible parts refused")
+    # One program order: with the audit on, every rank launches the same sequence, whatever
+    # completes first (several pipelined exchanges in flight, progressed and waited out of order).
+    hier = HierarchicalAllToAll(Topology.parse(next(iter(_topologies()))), [list(range(WORLD))])
+    saved, order._launches = order._launches, []
+    try:
+        xs = [rand_bits((WORLD * 4 * 256,), torch.float32, 990 + i) for i in range(3)]
+        handles = [hier.start(xs[0], parts=4), hier.start(xs[1], parts=2), hier.start(xs[2])]
+        for h in handles:
+            h.progress()
+        for i in (1, 2, 0):
+            check(same_bits(handles[i].wait(), flat_all_to_all(xs[i])), f"audited pipeline #{i}")
+        sequences = [None] * WORLD
+        dist.all_gather_object(sequences, order.launches())
+        check(len(sequences[0]) > 10 and all(q == sequences[0] for q in sequences), "ranks launched in different orders")
+    finally:
+        order._launches = saved
+
+
+def case_ulysses_layout() -> None:
+    """Head blocks written once in the first phase's order: the exchange equals xfuser's layout
+    (stack, permute, contiguous) through flat, and the copies are counted."""
+    b, h, s, d = 2, WORLD * 3, 5, 4
+    q, k = rand_bits((b, h, s, d), torch.bfloat16, 970), rand_bits((b, h, s, d), torch.bfloat16, 971)
+    stacked = torch.stack((q, k)).view(2, b, WORLD, 3, s, d).permute(2, 0, 1, 3, 4, 5).contiguous()
+    before = commstats.ran()["copied_bytes"]
+    canonical = layout.heads((q, k), (WORLD,), (0,))
+    check(commstats.ran()["copied_bytes"] - before == stacked.numel() * 2, "one pass counted")
+    check(same_bits(canonical, stacked), "destination-major layout != xfuser's")
+    ref = flat_all_to_all(stacked.view(-1)).view(stacked.shape)
+    want = ref.permute(1, 2, 3, 0, 4, 5).reshape(2, b, 3, WORLD * s, d)
+    check(all(same_bits(g, w) for g, w in zip(layout.sequence(ref, 2), want)), "sequence layout")
+    nbytes = stacked.numel() * stacked.element_size()
+    for spec, levels in _topologies().items():
+        hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
+        canonical, inner_first = tuple(range(len(levels))), (len(levels) - 1, *range(len(levels) - 1))
+        check(hier.input_layout() == (canonical if len(levels) == 2 else inner_first), f"{spec}: {hier.input_layout()}")
+        for receives_first, order_ in ((True, hier.input_layout()), (False, inner_first)):
+            data = layout.heads((q, k), levels, order_)
+            got = hier.start(data.view(-1), receives_first=receives_first, layout=order_).wait()
+            check(same_bits(got.view(ref.shape), ref), f"{spec} receives_first={receives_first}: layout {order_} != flat")
+            copied = []
+            for x, given in ((data, order_), (stacked, None)):
+                before = commstats.ran()["copied_bytes"]
+                hier.start(x.view(-1), receives_first=receives_first, layout=given, pollable=False).wait()
+                copied.append(commstats.ran()["copied_bytes"] - before)
+            if order_ != canonical:
+                check(copied[0] < copied[1], f"{spec}: the layout {order_} saves the first re-blocking: {copied}")
+            if receives_first and len(levels) == 2:  # chunks sent in place: only the own chunk is copied
+                check(copied == [nbytes // WORLD] * 2, f"{spec}: two-level copies {copied}, own chunk {nbytes // WORLD}")
 
 
 def case_subgroups() -> None:
@@ -301,11 +382,11 @@ def case_p2p_async() -> None:
 
 
 class _CountingTimer:
-    """Wraps autotune.time_interleaved to count measurements."""
+    """Wraps autotune.time_paired to count measurements."""
 
     def __init__(self) -> None:
         self.calls = 0
-        self._orig = autotune.time_interleaved
+        self._orig = autotune.time_paired
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -346,7 +427,7 @@ def _agreed(value) -> bool:
 def case_autotune(tmpdir: str) -> None:
     hier = HierarchicalAllToAll(Topology.parse("2x2"), [list(range(WORLD))])
     timer = _CountingTimer()
-    autotune.time_interleaved = timer
+    autotune.time_paired = timer
     log = _LogCounter()
     logger = logging.getLogger("cocodiff_xfuser")
     logger.addHandler(log)
@@ -377,6 +458,23 @@ def case_autotune(tmpdir: str) -> None:
         check(pick == "hierarchical", f"flat/p2p slow on ranks 1/2: all must pick hierarchical, got {pick}")
         pick = AutoAllToAll(_slowed(hier, flat=1, hierarchical=3)).choose(xs[0])
         check(pick == "flat-p2p", f"flat slow on rank 1, hierarchical on rank 3: all must pick flat-p2p, got {pick}")
+
+        # The run-time re-check, at the same use on every rank: a choice that turned slower than
+        # flat reverts (counted), one that did not stays.
+        bucket = {"group": list(range(WORLD)), "bucket_bytes": size_bucket(xs[0].numel() * 4), "algorithm": "hierarchical"}
+        for slow_rank, expect in ((dict(hierarchical=1), "flat"), (dict(flat=2), "hierarchical")):
+            tuner2 = AutoAllToAll(_slowed(hier, **slow_rank))
+            tuner2.load_dict({"decisions": [bucket]})
+            reverted = commstats.ran()["reverted"].get("hierarchical", 0)
+            picks = [tuner2.choose(xs[0]) for _ in range(autotune.RECHECK_USES - 1)]
+            check(tuner2.measures(xs[0]) and picks == ["hierarchical"] * len(picks), f"before the re-check: {picks}")
+            picks = [tuner2.choose(xs[0]) for _ in range(3)]
+            check(picks == [expect] * 3 and _agreed(picks), f"re-check with {slow_rank}: {picks}, expected {expect}")
+            check(not tuner2.measures(xs[0]), "a bucket is re-checked once")
+            count = commstats.ran()["reverted"].get("hierarchical", 0) - reverted
+            check(count == (expect == "flat"), f"reverts counted: {count}")
+            d = next(iter(tuner2.decisions.values()))
+            check(d.reverted_from == ("hierarchical" if expect == "flat" else None), f"decision {d}")
 
         # Overrides and single-candidate groups never measure.
         calls = timer.calls
@@ -442,7 +540,7 @@ def case_autotune(tmpdir: str) -> None:
         if RANK == 0:
             print("DECISIONS " + json.dumps(tuner.to_dict()), flush=True)
     finally:
-        autotune.time_interleaved = timer._orig
+        autotune.time_paired = timer._orig
         logger.removeHandler(log)
 
 
@@ -588,6 +686,8 @@ CASES = {
     "p2p": case_p2p,
     "p2p_async": case_p2p_async,
     "autotune": case_autotune,
+    "pipelined": case_pipelined,
+    "ulysses_layout": case_ulysses_layout,
 }
 
 

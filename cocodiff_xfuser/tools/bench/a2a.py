@@ -49,8 +49,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import platform
-from cocodiff_xfuser.comm.autotune import AutoAllToAll, size_bucket
+from cocodiff_xfuser import commstats, platform
+from cocodiff_xfuser.comm import layout
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, candidate_key, size_bucket, split_key
 from cocodiff_xfuser.comm.registry import Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.comm.topology import Topology, resolve
@@ -59,11 +60,19 @@ from cocodiff_xfuser.tools.bench import one_at_a_time, plots
 
 DEFAULT_SIZES_MIB = (4, 8, 16)
 DEFAULT_REPS = 9
+#: Calls per sample, back to back: the steady state of a denoising loop, where an exchange
+#: follows the previous one's tail.
+DEFAULT_BURST = 2
 TIMEOUT_S = 1800.0
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TIMINGS = ("auto", "common-start", "barrier")
 #: Seconds between naming the common start instant and the start (the broadcast must arrive).
 START_LEAD_S = 0.05
+
+
+def json_key(candidate: str) -> str:
+    """``hierarchical/4`` -> ``hierarchical_x4``, ``flat-p2p`` -> ``flat_p2p``."""
+    return candidate.replace("-", "_").replace("/", "_x")
 
 
 # ================================================================================ rank worker
@@ -80,10 +89,11 @@ def _same_host(group: Any) -> bool:
 
 
 class _Timer:
-    """Times one op per call; ``finish`` reduces every recorded time with MAX over the group."""
+    """Times ``burst`` back-to-back calls of one op per call (seconds per op); ``finish`` reduces
+    every recorded time with MAX over the group."""
 
-    def __init__(self, method: str, group: Any, device: torch.device) -> None:
-        self.method, self.group, self.device = method, group, device
+    def __init__(self, method: str, group: Any, device: torch.device, burst: int = 1) -> None:
+        self.method, self.group, self.device, self.burst = method, group, device, burst
         self.local: list[float] = []
         self.late_starts = 0
         self.max_late_s = 0.0
@@ -93,7 +103,8 @@ class _Timer:
         platform.detect().synchronize(self.device)
         if self.method == "barrier":
             start = time.perf_counter()
-            fn()
+            for _ in range(self.burst):
+                fn()
             platform.detect().synchronize(self.device)
             dt = time.perf_counter() - start
         else:
@@ -108,11 +119,12 @@ class _Timer:
                 time.sleep(wait - 0.002)
             while time.monotonic() < start:
                 pass
-            fn()
+            for _ in range(self.burst):
+                fn()
             platform.detect().synchronize(self.device)
             dt = time.monotonic() - start
         if record:
-            self.local.append(dt)
+            self.local.append(dt / self.burst)
 
     def finish(self) -> tuple[list[float], int, float]:
         times = torch.tensor(self.local, dtype=torch.float64, device=self.device)
@@ -121,6 +133,83 @@ class _Timer:
         dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=self.group)
         self.local = []
         return times.cpu().tolist(), int(extra[0].item()), float(extra[1].item())
+
+
+#: Heads per rank and head dim of the Ulysses-shaped exchange (Q and K of ``[1, W*2, s, 64]``).
+ULYSSES_HEADS, ULYSSES_HEAD_DIM = 2, 64
+
+
+def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Timer, reps: int, warmup: int) -> dict[str, Any] | None:
+    """The Ulysses Q/K input exchange at ``x``'s size, as xfuser lays it out (``torch.stack``,
+    ``permute().contiguous()``, the exchange, ``permute().reshape()``) and as cocodiff does
+    (:mod:`cocodiff_xfuser.comm.layout`), both with the chosen algorithm: bitwise-equal outputs,
+    local copies per exchange in passes over the message (counted), and the time of those copies
+    alone and of the whole exchange (medians, max over ranks). None when the size does not
+    split into such tensors."""
+    world = dist.get_world_size(pg)
+    per_tensor = x.numel() // 2
+    s = per_tensor // (world * ULYSSES_HEADS * ULYSSES_HEAD_DIM)
+    if s == 0 or per_tensor % (world * ULYSSES_HEADS * ULYSSES_HEAD_DIM):
+        return None
+    q, k = (torch.randn(1, world * ULYSSES_HEADS, s, ULYSSES_HEAD_DIM, device=x.device).to(x.dtype) for _ in range(2))
+    algorithm = tuner.choose(x, pg)
+    levels = tuner.registry.tapa.levels(pg) if tuner.registry.tapa is not None else ()
+    folded = algorithm == "hierarchical" and tuner.parts(x, pg) == 1
+    order = tuner.registry.tapa.input_layout(pg, x.device) if folded else (0,)
+
+    def xfuser_layout() -> torch.Tensor:
+        stacked = torch.stack((q, k)).view(2, 1, world, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM).permute(2, 0, 1, 3, 4, 5)
+        return stacked.contiguous()
+
+    def xfuser_output(out: torch.Tensor) -> torch.Tensor:
+        return out.view(world, 2, 1, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM).permute(1, 2, 3, 0, 4, 5).reshape(2, 1, ULYSSES_HEADS, -1, ULYSSES_HEAD_DIM)
+
+    def cocodiff_layout() -> torch.Tensor:
+        return layout.heads((q, k), levels if folded else (world,), order)
+
+    def cocodiff_output(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return layout.sequence(out.view(world, 2, 1, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM), 2)
+
+    def xfuser_path() -> torch.Tensor:
+        return xfuser_output(tuner.run(algorithm, xfuser_layout().view(-1), pg))
+
+    def cocodiff_path() -> tuple[torch.Tensor, ...]:
+        extra = {"layout": order} if folded else {}
+        return cocodiff_output(tuner.start(algorithm, cocodiff_layout().view(-1), pg, **extra).wait())
+
+    ref = xfuser_path()
+    if not all(same_bits(a, b) for a, b in zip(cocodiff_path(), ref)):
+        raise AssertionError(f"rank {dist.get_rank()}: cocodiff's Ulysses layout differs from xfuser's")
+    nbytes = x.numel() * x.element_size()
+    before = commstats.ran()["copied_bytes"]
+    tuner.run(algorithm, x, pg)
+    inside = commstats.ran()["copied_bytes"] - before  # the algorithm's own copies, destination-major input
+    before = commstats.ran()["copied_bytes"]
+    cocodiff_path()
+    cocodiff_passes = (commstats.ran()["copied_bytes"] - before) / nbytes
+    ops = {
+        "xfuser_layout": xfuser_path,
+        "cocodiff_layout": cocodiff_path,
+        "xfuser_copies_only": lambda: xfuser_output(xfuser_layout()),
+        "cocodiff_copies_only": lambda: cocodiff_output(cocodiff_layout()),
+    }
+    names, log = list(ops), []
+    for rep in range(warmup + reps):
+        first = rep % len(names)
+        for name in names[first:] + names[:first]:
+            timer(ops[name], record=rep >= warmup)
+            if rep >= warmup:
+                log.append(name)
+    times, _, _ = timer.finish()
+    median = {name: statistics.median([t for n, t in zip(log, times) if n == name]) for name in names}
+    return {
+        "algorithm": candidate_key(algorithm, tuner.parts(x, pg)),
+        "tensors": [2, 1, world * ULYSSES_HEADS, s, ULYSSES_HEAD_DIM],
+        # xfuser: stack and contiguous (2 passes) before, the permuting reshape (1) after.
+        "xfuser_copies_per_exchange": 3 + inside / nbytes,
+        "cocodiff_copies_per_exchange": cocodiff_passes,
+        **{f"{name}_s": t for name, t in median.items()},
+    }
 
 
 def run_benchmark(
@@ -133,6 +222,7 @@ def run_benchmark(
     timing: str = "auto",
     warmup: int = 2,
     autotune_reps: int | None = None,
+    burst: int = DEFAULT_BURST,
 ) -> dict[str, Any] | None:
     """Benchmark on every rank (collective over the world); rank 0 returns the report.
 
@@ -156,16 +246,18 @@ def run_benchmark(
     hier = HierarchicalAllToAll(topology, groups)
     registry = Registry(hier)
     tuner = AutoAllToAll(registry) if autotune_reps is None else AutoAllToAll(registry, reps=autotune_reps)
-    timer = _Timer(timing, pg, device)
+    timer = _Timer(timing, pg, device, burst)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     results, late, max_late = [], 0, 0.0
     for size in sizes_bytes:
         numel = max(size // itemsize // len(group), 1) * len(group)
         x = torch.randn(numel, device=device).to(dtype)
         eligible = registry.eligible(x, pg)
-        ops: dict[str, Callable[[], Any]] = {
-            name.replace("-", "_"): (lambda run=registry[name].run: run(x, pg)) for name in eligible
-        }
+        ops: dict[str, Callable[[], Any]] = {}
+        for key in tuner._candidates(x, pg):
+            name, parts = split_key(key)
+            options = {"parts": parts} if parts > 1 else {}
+            ops[json_key(key)] = lambda run=registry[name].run, options=options: run(x, pg, **options)
         if "hierarchical" in eligible and "flat-p2p" in eligible:
             # TAPA with the backend's own collective per phase: tells receives-first's share apart.
             ops["hierarchical_collective"] = lambda: hier(x, pg, receives_first=False)
@@ -187,8 +279,7 @@ def run_benchmark(
         times: dict[str, list[float]] = {name: [] for name in names}
         for name, t in zip(order_log, flat_times):
             times[name].append(t)
-        chosen_alg = tuner.choose(x, pg)
-        chosen = chosen_alg.replace("-", "_")
+        chosen = json_key(candidate_key(tuner.choose(x, pg), tuner.parts(x, pg)))
         median = {name: statistics.median(t) for name, t in times.items()}
         decision = tuner.decisions.get((tuple(group), size_bucket(numel * itemsize)))
         entry: dict[str, Any] = {"size_bytes": numel * itemsize}
@@ -201,11 +292,16 @@ def run_benchmark(
             chosen_min_s=min(times[chosen]),
             speedup_vs_flat=median["flat"] / median[chosen],
             fastest=min(median, key=median.get),
-            autotune_s=None
+            autotune=None
             if decision is None
-            else {"flat": decision.flat_s, "flat_p2p": decision.flat_p2p_s, "hierarchical": decision.hierarchical_s},
+            else {
+                "flat_s": decision.flat_s,
+                "pairs": decision.pairs,
+                "ratios": {json_key(k): v for k, v in decision.ratios.items()},
+            },
             times_s=times,
         )
+        entry["ulysses"] = _ulysses_layouts(x, pg, tuner, timer, reps, warmup)
         results.append(entry)
     if rank != 0:
         return None
@@ -217,6 +313,7 @@ def run_benchmark(
         "backend": dist.get_backend(pg),
         "dtype": str(dtype).removeprefix("torch."),
         "reps": reps,
+        "burst": burst,
         "warmup": warmup,
         "timing": timing,
         "late_starts": late,
@@ -226,17 +323,17 @@ def run_benchmark(
     }
 
 
-_COLUMNS = (
-    ("flat", "flat (stock)"),
-    ("flat_p2p", "flat-p2p"),
-    ("hierarchical", "hierarchical"),
-    ("hierarchical_collective", "hier (gloo op)"),
-)
+_TITLES = {"flat": "flat (stock)", "hierarchical_collective": "hier (gloo op)"}
+
+
+def _title(key: str) -> str:
+    return _TITLES.get(key, key.replace("hierarchical", "hier").replace("_x", " x").replace("_", "-"))
 
 
 def format_report(report: dict[str, Any]) -> str:
     """Table: median / min in ms per algorithm, the choice, speedup, and the bound when known."""
-    present = [(k, title) for k, title in _COLUMNS if any(f"{k}_s" in r for r in report["results"])]
+    keys = list(dict.fromkeys(k for r in report["results"] for k in r["times_s"]))
+    present = [(k, _title(k)) for k in keys]
     head = (
         f"topology {report['topology']}, world {report['world_size']}, group levels {report['levels']},"
         f" {report['dtype']}, {report['reps']} reps, timing {report.get('timing', 'barrier')}"
@@ -250,6 +347,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
         f"{'MiB/rank':>8}{cols}  {'chosen':<12} {'speedup':>7}"
         + (f" {'bound':>7} {'flat-rt':>7} {'chosen/bound':>12}" if bound else "")
+        + (f" {'floor':>7} {'/achievable':>10}" if any(r.get("host_floor_s") for r in report["results"]) else "")
     )
     for r in report["results"]:
         row = f"{r['size_bytes'] / 2**20:8.2f}"
@@ -258,6 +356,8 @@ def format_report(report: dict[str, Any]) -> str:
         row += f"  {r['chosen']:<12} {r['speedup_vs_flat']:6.2f}x"
         if bound and r.get("bound_s"):
             row += f" {r['bound_s'] * 1e3:7.1f} {r['bound_flat_routes_s'] * 1e3:7.1f} {r['fraction_of_bound']:11.2f}x"
+            if r.get("host_floor_s"):
+                row += f" {r['host_floor_s'] * 1e3:7.1f} {r['fraction_of_achievable']:9.2f}x"
         lines.append(row)
     if report.get("regime"):
         lines.append(f"regime: {report['regime']}")
@@ -271,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes-mib", default=",".join(map(str, DEFAULT_SIZES_MIB)), help="comma-separated message sizes per rank, MiB")
     parser.add_argument("--reps", type=int, default=DEFAULT_REPS)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--burst", type=int, default=DEFAULT_BURST, help="back-to-back calls per sample")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--timing", choices=TIMINGS, default="auto")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -287,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         topology = resolve(args.topology, dist.get_world_size())
         report = run_benchmark(
             topology, sizes, reps=args.reps, dtype=DTYPES[args.dtype], device=device, timing=args.timing,
-            warmup=args.warmup,
+            warmup=args.warmup, burst=args.burst,
         )
         if report is not None:
             print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
@@ -362,6 +463,8 @@ def bench_a2a(
     plot: bool = True,
     echo: bool | str = True,
     stem: str = "a2a",
+    params: dict[str, float] | None = None,
+    floor: bool = False,
 ) -> dict[str, Any]:
     """Run the all-to-all benchmark and return the report (also written to ``out_dir``).
 
@@ -372,6 +475,11 @@ def bench_a2a(
     stderr with ``echo="stderr"``).
     Writes ``a2a.json`` and (``plot``) ``a2a.png`` into ``out_dir`` when given (``stem``
     renames them, e.g. ``a2a-rail``).
+
+    ``floor``: also run the worker on the same fabric with every link rate raised 100-fold, and
+    report per size the chosen algorithm's time there (``host_floor_s``: what this host's CPUs
+    and kernel need for the exchange without link limits; on 2 cores with 8 ranks it can exceed
+    the links' bound) and ``fraction_of_achievable`` = chosen / max(bound, host floor).
     """
     from cocodiff_xfuser.tools.fabric import Fabric
 
@@ -388,21 +496,29 @@ def bench_a2a(
     }
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
+    fabric_id = fabric_id or f"a{os.getpid() % 100000}"
+
+    def on_fabric(fab: Any) -> tuple[str, int]:
+        with fab:
+            r = fab.run([sys.executable, *argv], timeout=timeout, capture_output=True, text=True, extra_env=env)
+            stats = fab.qdisc_stats()
+        if r.returncode != 0:
+            raise RuntimeError(
+                f"benchmark on fabric {fabric} {nodes}x{local} failed (exit {r.returncode}):\n"
+                f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
+            )
+        return r.stdout, sum(s["dropped"] for s in stats)
+
+    floor_report = None
     with one_at_a_time():
         fab = None
         drops = None
         if fabric:
-            fab = Fabric(fabric, nodes, local, fabric_id=fabric_id or f"a{os.getpid() % 100000}")
-            with fab:
-                r = fab.run([sys.executable, *argv], timeout=timeout, capture_output=True, text=True, extra_env=env)
-                stats = fab.qdisc_stats()
-            if r.returncode != 0:
-                raise RuntimeError(
-                    f"benchmark on fabric {fabric} {nodes}x{local} failed (exit {r.returncode}):\n"
-                    f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-4000:]}"
-                )
-            stdout = r.stdout
-            drops = sum(s["dropped"] for s in stats)
+            fab = Fabric(fabric, nodes, local, params=params, fabric_id=fabric_id)
+            stdout, drops = on_fabric(fab)
+            if floor:
+                unshaped = {k: v * 100 for k, v in fab.params.items() if k.endswith("_bps")}
+                floor_report = _extract_json(on_fabric(Fabric(fabric, nodes, local, params=fab.params | unshaped, fabric_id=fabric_id))[0])
         else:
             from cocodiff_xfuser.tools.launcher import torchrun
 
@@ -428,6 +544,10 @@ def bench_a2a(
             r["bound_s"] = fab.bound_s("all_to_all", size)
             r["bound_flat_routes_s"] = fab.bound_s("flat", size)
             r["fraction_of_bound"] = r["chosen_s"] / r["bound_s"] if r["bound_s"] > 0 else None
+            if floor_report is not None:
+                same = next(f for f in floor_report["results"] if f["size_bytes"] == size)
+                r["host_floor_s"] = same[f"{r['chosen']}_s"]
+                r["fraction_of_achievable"] = r["chosen_s"] / max(r["bound_s"], r["host_floor_s"])
         else:
             r["bound_s"] = r["bound_flat_routes_s"] = r["fraction_of_bound"] = None
     if out_dir is not None:
@@ -442,6 +562,53 @@ def bench_a2a(
     if echo:
         print(format_report(report), file=sys.stderr if echo == "stderr" else sys.stdout, flush=True)
     return report
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """One shape's headline numbers: the worst ratio of the chosen exchange to stock over sizes
+    (stock time / chosen time, >= 1 is faster), the worst ratio to the physical bound at >= 4 MiB,
+    and the copies per Ulysses exchange at the largest size (xfuser's layout vs cocodiff's)."""
+    results = report["results"]
+    worst = min(results, key=lambda r: r["speedup_vs_flat"])
+    large = [r["fraction_of_bound"] for r in results if r["size_bytes"] >= 4 << 20 and r.get("fraction_of_bound")]
+    achievable = [r["fraction_of_achievable"] for r in results if r["size_bytes"] >= 4 << 20 and r.get("fraction_of_achievable")]
+    ulysses = next((r["ulysses"] for r in reversed(results) if r.get("ulysses")), None)
+    return {
+        "shape": f"{report['nodes']}x{report['local']}",
+        "topology": report["topology"],
+        "worst_vs_stock": worst["speedup_vs_flat"],
+        "worst_at_mib": worst["size_bytes"] / 2**20,
+        "chosen": [r["chosen"] for r in results],
+        "worst_fraction_of_bound_ge_4mib": max(large) if large else None,
+        "worst_fraction_of_achievable_ge_4mib": max(achievable) if achievable else None,
+        "copies_per_exchange": None
+        if ulysses is None
+        else {"xfuser": ulysses["xfuser_copies_per_exchange"], "cocodiff": ulysses["cocodiff_copies_per_exchange"]},
+        "copy_time_s": None
+        if ulysses is None
+        else {"xfuser": ulysses["xfuser_copies_only_s"], "cocodiff": ulysses["cocodiff_copies_only_s"]},
+    }
+
+
+def format_summary(fabric: str | None, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"summary on {fabric or 'loopback'}: chosen vs stock (stock time / chosen time), chosen / bound, Ulysses copies",
+        f"{'shape':>6} {'worst vs stock':>15} {'at MiB':>7} {'chosen/bound >= 4 MiB':>22} {'/max(bound,floor)':>18}"
+        f" {'copies xfuser -> cocodiff':>26} {'copy ms':>16}",
+    ]
+    for r in rows:
+        bound = r["worst_fraction_of_bound_ge_4mib"]
+        copies, ms = r["copies_per_exchange"], r["copy_time_s"]
+        bound_text = "-" if bound is None else f"{bound:.2f}x"
+        reach = r["worst_fraction_of_achievable_ge_4mib"]
+        reach_text = "-" if reach is None else f"{reach:.2f}x"
+        copies_text = "-" if copies is None else "{xfuser:.2f} -> {cocodiff:.2f}".format(**copies)
+        ms_text = "-" if ms is None else f"{ms['xfuser'] * 1e3:.1f} -> {ms['cocodiff'] * 1e3:.1f}"
+        lines.append(
+            f"{r['shape']:>6} {r['worst_vs_stock']:14.2f}x {r['worst_at_mib']:7g} {bound_text:>22} {reach_text:>18}"
+            f" {copies_text:>26} {ms_text:>16}"
+        )
+    return "\n".join(lines)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -460,27 +627,68 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"cocodiff bench a2a: cannot build the {fabric} fabric here: {why}", file=sys.stderr)
             return 2
     as_json = bool(getattr(args, "json", False))
+    shapes = getattr(args, "shapes", None)
     try:
-        report = bench_a2a(
-            fabric,
-            int(getattr(args, "nodes", 2) or 2),
-            int(getattr(args, "local", 2) or 2),
-            getattr(args, "sizes_mib", None) or DEFAULT_SIZES_MIB,
-            int(getattr(args, "reps", None) or DEFAULT_REPS),
-            getattr(args, "out", None),
-            dtype=getattr(args, "dtype", None) or "bf16",
-            timeout=float(getattr(args, "timeout", None) or TIMEOUT_S),
-            echo="stderr" if as_json else True,
-        )
+        params = _parse_params(getattr(args, "param", None) or [])
+        layouts = [_parse_shape(t) for t in shapes.split(",")] if shapes else [
+            (int(getattr(args, "nodes", 2) or 2), int(getattr(args, "local", 2) or 2))
+        ]
+        reports = []
+        for nodes, local in layouts:
+            reports.append(bench_a2a(
+                fabric,
+                nodes,
+                local,
+                getattr(args, "sizes_mib", None) or DEFAULT_SIZES_MIB,
+                int(getattr(args, "reps", None) or DEFAULT_REPS),
+                getattr(args, "out", None),
+                dtype=getattr(args, "dtype", None) or "bf16",
+                timeout=float(getattr(args, "timeout", None) or TIMEOUT_S),
+                echo="stderr" if as_json else True,
+                stem=f"a2a-{fabric or 'loopback'}-{nodes}x{local}" if shapes else "a2a",
+                params=params,
+                floor=bool(getattr(args, "floor", False)),
+            ))
     except ValueError as e:  # bad input, or another benchmark running
         print(f"cocodiff bench a2a: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         print(f"cocodiff bench a2a: {e}", file=sys.stderr)
         return 1
+    report = reports[0]
+    if shapes:
+        rows = [summarize(r) for r in reports]
+        print(format_summary(fabric, rows), file=sys.stderr if as_json else sys.stdout, flush=True)
+        report = {"fabric": fabric, "summary": rows, "reports": {row["shape"]: r for row, r in zip(rows, reports)}}
+        out = getattr(args, "out", None)
+        if out is not None:
+            (Path(out) / f"a2a-{fabric or 'loopback'}.json").write_text(json.dumps(report, indent=2) + "\n")
     if as_json:
         print(json.dumps(report, indent=2), flush=True)
     return 0
+
+
+def _parse_params(pairs: Sequence[str]) -> dict[str, float] | None:
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            if not sep:
+                raise ValueError(pair)
+            params[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--param {pair!r}: expected KEY=NUMBER") from None
+    return params or None
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+    try:
+        nodes, local = (int(v) for v in text.strip().lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--shapes: {text!r} is not NODESxLOCAL (e.g. 2x4)") from None
+    if nodes < 1 or local < 1:
+        raise ValueError(f"--shapes: {text!r} needs at least one node and one rank per node")
+    return nodes, local
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ _A2A_SERIES = (
     ("flat", "flat (stock all_to_all_single)", dict(color="tab:gray", marker="o")),
     ("flat_p2p", "flat-p2p (receives first)", dict(color="tab:blue", marker="s")),
     ("hierarchical", "hierarchical (TAPA)", dict(color="tab:red", marker="^")),
+    ("hierarchical_x2", "hierarchical, 2-part pipeline", dict(color="tab:purple", marker="<", linestyle="-.")),
+    ("hierarchical_x4", "hierarchical, 4-part pipeline", dict(color="tab:brown", marker=">", linestyle="-.")),
     ("hierarchical_collective", "hierarchical, gloo op per phase", dict(color="tab:orange", marker="v", linestyle="--")),
 )
 
@@ -35,16 +37,21 @@ def plot_a2a(report: Mapping[str, Any], path: str | os.PathLike) -> Path:
     sizes = [r["size_bytes"] / 2**20 for r in results]
     fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=120)
     for key, label, style in _A2A_SERIES:
-        if not all(f"{key}_s" in r for r in results):
+        present = [(size, r) for size, r in zip(sizes, results) if f"{key}_s" in r]  # pipelining: >= 1 MiB
+        if not present:
             continue
-        ax.plot(sizes, [r[f"{key}_s"] * 1e3 for r in results], label=f"{label} (median)", **style)
-        ax.plot(sizes, [r[f"{key}_min_s"] * 1e3 for r in results], linestyle="none", marker=style["marker"],
+        xs = [size for size, _ in present]
+        ax.plot(xs, [r[f"{key}_s"] * 1e3 for _, r in present], label=f"{label} (median)", **style)
+        ax.plot(xs, [r[f"{key}_min_s"] * 1e3 for _, r in present], linestyle="none", marker=style["marker"],
                 color=style["color"], alpha=0.35)
     if all(r.get("bound_s") for r in results):
         ax.plot(sizes, [r["bound_s"] * 1e3 for r in results], color="black", linestyle="-", linewidth=1.2,
                 label="physical bound (best routing)")
         ax.plot(sizes, [r["bound_flat_routes_s"] * 1e3 for r in results], color="black", linestyle=":",
                 linewidth=1.2, label="bound on flat's direct routes")
+    if all(r.get("host_floor_s") for r in results):
+        ax.plot(sizes, [r["host_floor_s"] * 1e3 for r in results], color="tab:green", linestyle="--", linewidth=1.0,
+                label="host floor (chosen, links unshaped)")
     for s, r in zip(sizes, results):
         ax.annotate(f"{r['chosen'].replace('_', '-')}\n{r['speedup_vs_flat']:.2f}x", (s, r["chosen_s"] * 1e3),
                     textcoords="offset points", xytext=(7, 2), fontsize=7)
