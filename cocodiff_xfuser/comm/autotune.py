@@ -68,7 +68,8 @@ class Decision:
     group: tuple[int, ...]
     bucket_bytes: int
     algorithm: str
-    # Per algorithm, the median over pairs of the max over ranks (seconds per call); None: not a candidate.
+    # Per algorithm, the median over pairs of the max over ranks (seconds per call); None: not a
+    # candidate. ``hierarchical_s`` is its fastest part count's.
     flat_s: float | None = None
     hierarchical_s: float | None = None
     flat_p2p_s: float | None = None

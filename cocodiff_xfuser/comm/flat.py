@@ -119,9 +119,11 @@ def flat_all_to_all(
 #: Tag of the receives-first point-to-point messages (any tag works; a fixed non-default one keeps
 #: them apart from user p2p traffic with the default tag 0 on the same group). Messages of one
 #: pair and tag match in posting order; the hierarchical exchange's direct messages (posted at
-#: start, see HierarchicalHandle) use their own tag so that they never meet phase messages.
+#: start, see HierarchicalHandle) use their own tag so that they never meet phase messages, and so
+#: do the halves a two-level exchange forwards (see TwoLevelHandle).
 P2P_TAG = 0x0CDF
 DIRECT_TAG = P2P_TAG + 1
+FORWARD_TAG = P2P_TAG + 3  # + 2 is V-Major's (sparse.SPARSE_TAG)
 _RECEIVES_FIRST_BACKENDS = {"gloo"}
 _backend_cache: dict[tuple[Any, str], str] = {}
 _group_cache: dict[Any, tuple[int, int]] = {}
