@@ -54,8 +54,10 @@ logger = logging.getLogger("cocodiff_xfuser")
 PIPELINE_PARTS = (2, 4)
 #: Below this many bytes per rank pipelining is not measured: per-message overhead dominates.
 PIPELINE_MIN_BYTES = 1 << 20
-#: Uses of a decision after which it is timed against ``flat`` again (once).
-RECHECK_USES = 24
+#: Uses of a decision after which it is timed against ``flat`` again (once): a second, independent
+#: measurement under run conditions, early enough to fall in a job's first pipeline call (its
+#: warm-up) for any model with a few layers.
+RECHECK_USES = 4
 #: At and above this many bytes per rank a sample is a burst of 2 calls and ``reps`` pairs are taken.
 LARGE_BYTES = 4 << 20
 #: Most pairs / calls per sample for the smallest messages.
@@ -210,7 +212,7 @@ class AutoAllToAll:
                 logger.warning("cocodiff: %s; using flat", key)
             commstats.count_fallback(key)
             return "flat"
-        candidates = self._candidates(x, group)
+        candidates = self.candidates(x, group)
         if len(candidates) == 1:
             return candidates[0]
         key = self._key(x, group)
@@ -283,7 +285,9 @@ class AutoAllToAll:
             self._group_ranks[group] = tuple(sorted(dist.get_process_group_ranks(group)))
         return self._group_ranks[group], size_bucket(x.numel() * x.element_size())
 
-    def _candidates(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
+    def candidates(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
+        """What ``auto`` measures for ``x`` over ``group``: the eligible algorithms, and from
+        ``PIPELINE_MIN_BYTES`` the hierarchical exchange in ``PIPELINE_PARTS`` (``hierarchical/2``)."""
         names = self.registry.eligible(x, group)
         if "hierarchical" in names and x.numel() * x.element_size() >= PIPELINE_MIN_BYTES:
             tapa = self.registry.tapa

@@ -224,6 +224,7 @@ class SparseHandle:
         self._counts = selection.counts
         self._phase2 = None
         self._two_phase = two_phase
+        self._placed = False  # wait() places the received rows once
         device = x.device
         if not two_phase:
             inp = [_bytes(x[j] if level.fast(j) else rows[j]) for j in range(w)]
@@ -284,8 +285,12 @@ class SparseHandle:
 
     def wait(self) -> torch.Tensor:
         """Complete the exchange into ``into`` (``[W, P, s, d]``, the previous result): rows from
-        node-mates are replaced, rows from other nodes only where their sender marked them active."""
+        node-mates are replaced, rows from other nodes only where their sender marked them active.
+        Idempotent: the rows (or residuals) are placed once."""
         into = self._into
+        if self._placed:
+            return into
+        self._placed = True
         if not self._two_phase:
             self._pending.wait()
             for j, piece in enumerate(self._received):

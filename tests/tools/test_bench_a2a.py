@@ -95,18 +95,23 @@ def test_smoke_rail_2x2(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["rail", "shared-uplink"])
-def test_documented_benchmark_runs_on_both_regimes(preset, tmp_path, capsys):
-    """The runs behind docs/benchmarks.md (4-16 MiB per rank): complete and lossless, never timed here."""
+@pytest.mark.parametrize("preset", ["rail", "shared-uplink", "aurora-like"])
+def test_documented_benchmark_runs_on_every_preset(preset, tmp_path, capsys):
+    """The runs behind docs/benchmarks.md (every shape, 0.5-16 MiB per rank): complete and
+    lossless, never timed here."""
     _need_fabric()
     args = argparse.Namespace(
-        fabric=preset, nodes=2, local=2, sizes_mib="4,8,16", reps=9, out=str(tmp_path), json=True, timeout=900
+        fabric=preset, shapes="2x2,2x4,4x2", sizes_mib="0.5,1,2,4,8,16", reps=9, out=str(tmp_path), json=True,
+        timeout=1500, floor=preset == "rail",
     )
     assert bench.run_cli(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert [r["size_bytes"] >> 20 for r in report["results"]] == [4, 8, 16]
-    for r in report["results"]:
-        assert r["chosen"] in report["candidates"] and r["fraction_of_bound"] >= 0.9 and r["bound_s"] > 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [row["shape"] for row in summary["summary"]] == ["2x2", "2x4", "4x2"]
+    for report in summary["reports"].values():
+        assert [r["size_bytes"] for r in report["results"]] == [int(m * 2**20) for m in (0.5, 1, 2, 4, 8, 16)]
+        for r in report["results"]:
+            assert r["chosen"] in r["times_s"] and r["fraction_of_bound"] >= 0.9 and r["bound_s"] > 0
+            assert ("host_floor_s" in r) == (preset == "rail")
 
 
 def test_a_second_benchmark_stops_at_once(tmp_path):

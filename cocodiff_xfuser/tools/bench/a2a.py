@@ -254,7 +254,7 @@ def run_benchmark(
         x = torch.randn(numel, device=device).to(dtype)
         eligible = registry.eligible(x, pg)
         ops: dict[str, Callable[[], Any]] = {}
-        for key in tuner._candidates(x, pg):
+        for key in tuner.candidates(x, pg):
             name, parts = split_key(key)
             options = {"parts": parts} if parts > 1 else {}
             ops[json_key(key)] = lambda run=registry[name].run, options=options: run(x, pg, **options)
