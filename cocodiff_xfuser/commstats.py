@@ -60,6 +60,7 @@ class _Ran:
     slow_link_bytes: int = 0
     slow_link_bytes_exact: int = 0
     copied_bytes: int = 0  # local copies made around and inside cocodiff's exchanges
+    padded_bytes: int = 0  # zero heads and tokens exchanged so that any count splits (padding.py)
     # V-Major: (step, layer) -> [active tokens, tokens] summed over the layer's calls at that step.
     v_major: dict = field(default_factory=dict)
 
@@ -78,6 +79,10 @@ def count_exchange(algorithm: str, label: str, slow_link_bytes: int = 0, slow_li
 
 def count_copy(nbytes: int) -> None:
     _ran.copied_bytes += nbytes
+
+
+def count_padding(nbytes: int) -> None:
+    _ran.padded_bytes += nbytes
 
 
 def count_revert(choice: str) -> None:
@@ -103,6 +108,7 @@ def ran() -> dict:
     ``v_first_calls``, ``fallbacks`` (per reason), ``reverted`` (autotune choices the run-time
     re-check found slower than ``flat``, per choice; ``flat`` ran afterwards), ``slow_link_bytes`` and ``slow_link_bytes_exact``,
     ``copied_bytes`` (local copies around and inside the exchanges: layout changes, re-blocking),
+    ``padded_bytes`` (zero heads and tokens sent so that counts not divisible by the degree split),
     and ``v_major``: the tokens V-Major sent over slow links, ``active``, of ``tokens``, in total,
     per step and per layer."""
     return {
@@ -114,6 +120,7 @@ def ran() -> dict:
         "slow_link_bytes": _ran.slow_link_bytes,
         "slow_link_bytes_exact": _ran.slow_link_bytes_exact,
         "copied_bytes": _ran.copied_bytes,
+        "padded_bytes": _ran.padded_bytes,
         "v_major": _v_major_report(_ran.v_major),
     }
 
@@ -134,7 +141,7 @@ def _v_major_report(counts: dict) -> dict:
 
 def sum_ran(reports: list[dict]) -> dict:
     """The :func:`ran` reports of several ranks, summed."""
-    numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact", "copied_bytes")
+    numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact", "copied_bytes", "padded_bytes")
     counters = ("exchanges", "labels", "fallbacks", "reverted")
     total = {**{key: Counter() for key in counters}, **dict.fromkeys(numbers, 0)}
     for report in reports:

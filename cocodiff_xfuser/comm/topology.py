@@ -11,7 +11,7 @@ import math
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -30,16 +30,24 @@ class Level:
     """One hardware level: ``size`` children per parent.
 
     ``bandwidth_gbps`` is the nominal unidirectional bandwidth (GB/s) one rank has for traffic
-    that crosses this level; informational, for cost models and reports.
+    that crosses this level, ``latency_us`` the one-way latency (microseconds) of a small
+    transfer crossing it, and ``source`` where these figures come from; informational, for cost
+    models and reports.
     """
 
     name: str
     size: int
     bandwidth_gbps: float | None = None
+    latency_us: float | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
             raise ValueError(f"level {self.name!r}: size must be a positive integer, got {self.size!r}")
+        for key in ("bandwidth_gbps", "latency_us"):
+            value = getattr(self, key)
+            if value is not None and not _positive_number(value):
+                raise ValueError(f"level {self.name!r}: {key} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -95,28 +103,10 @@ class Topology:
         """Load a YAML preset (a path, or a name in ``configs/``, e.g. ``"aurora"``).
 
         The preset lists levels outermost first; the outermost (node) level has no size, it is
-        ``world_size`` divided by the ranks per node.
+        ``world_size`` divided by the ranks per node. The file is validated against the preset
+        schema (:func:`load_preset`).
         """
-        import yaml
-
-        path = Path(path_or_name)
-        if not path.is_file():
-            path = CONFIG_DIR / f"{path_or_name}.yaml"
-        if not path.is_file():
-            presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            raise ValueError(f"unknown topology preset {str(path_or_name)!r}; known presets: {presets}")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        raw_levels = data.get("levels") if isinstance(data, dict) else None
-        if not raw_levels or not isinstance(raw_levels, list):
-            raise ValueError(f"{path}: expected a non-empty 'levels' list")
-        outer, *inner = (_level_from_yaml(path, raw, i == 0) for i, raw in enumerate(raw_levels))
-        per_node = math.prod(level.size for level in inner)
-        if world_size < 1 or world_size % per_node:
-            raise ValueError(
-                f"preset {path.stem!r} has {per_node} ranks per {outer.name}; world size {world_size} is not a multiple"
-            )
-        return cls((Level(outer.name, world_size // per_node, outer.bandwidth_gbps), *inner))
+        return load_preset(path_or_name).topology(world_size)
 
     @classmethod
     def detect(
@@ -248,13 +238,136 @@ def detect_from_environment(group: Any = None) -> Topology:
     return Topology.detect(world_size, hostnames, int(local) if local else None, xpu_tiles_per_gpu())
 
 
-def _level_from_yaml(path: Path, raw: Any, outermost: bool) -> Level:
-    """A preset level; the outermost one gets a placeholder size that the caller replaces."""
-    if not isinstance(raw, dict) or not raw.get("name"):
-        raise ValueError(f"{path}: every level needs a 'name', got {raw!r}")
+# The preset schema: keys of a level and of the file, with their checks (see :func:`load_preset`).
+_LEVEL_KEYS = ("name", "size", "bandwidth_gbps", "latency_us", "source")
+_TOP_KEYS = ("levels", "description", "source")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A validated topology preset: its levels, outermost first, the outermost one without a size
+    (it is given the placeholder 1 here; :meth:`topology` derives it from the world size)."""
+
+    name: str
+    path: Path
+    levels: tuple[Level, ...]
+    description: str | None = None
+    source: str | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return math.prod(level.size for level in self.levels[1:])
+
+    def topology(self, world_size: int) -> Topology:
+        outer, *inner = self.levels
+        per_node = self.ranks_per_node
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 or world_size % per_node:
+            raise ValueError(
+                f"preset {self.name!r} has {per_node} ranks per {outer.name}; world size {world_size} is not a multiple"
+            )
+        return Topology((replace(outer, size=world_size // per_node), *inner))
+
+
+def presets() -> list[str]:
+    """Names of the presets shipped in ``configs/`` (for ``--topology NAME``)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def preset_path(path_or_name: str | os.PathLike) -> Path:
+    """The file of a preset: an existing path, else ``configs/NAME.yaml``."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{path_or_name}.yaml"
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", str(path_or_name)) and shipped.is_file():
+        return shipped
+    raise ValueError(f"unknown topology preset {str(path_or_name)!r}; known presets: {presets()}")
+
+
+def load_preset(path_or_name: str | os.PathLike) -> Preset:
+    """Read and validate a preset file.
+
+    Schema: top-level keys ``levels`` (required: a non-empty list, outermost level first),
+    ``description`` and ``source`` (strings). Every level has exactly these keys: ``name``
+    (string, required, unique), ``size`` (positive integer; required, except on the outermost
+    level, which must not set it), ``bandwidth_gbps`` (positive number: nominal unidirectional
+    GB/s per rank for traffic crossing the level), ``latency_us`` (positive number: one-way
+    small-message latency of a transfer crossing the level) and ``source`` (string: where the
+    figures come from). Any violation raises ValueError naming the file and the key.
+    """
+    import yaml
+
+    path = preset_path(path_or_name)
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping with a non-empty 'levels' list, got {type(data).__name__}")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise ValueError(f"{path}: unknown key {key!r} (expected one of: {', '.join(_TOP_KEYS)})")
+    for key in ("description", "source"):
+        if key in data and not _non_empty_str(data[key]):
+            raise ValueError(f"{path}: {key}: expected a non-empty string, got {data[key]!r}")
+    raw_levels = data.get("levels")
+    if not isinstance(raw_levels, list) or not raw_levels:
+        raise ValueError(f"{path}: levels: expected a non-empty 'levels' list, got {raw_levels!r}")
+    levels = tuple(_level_from_yaml(path, raw, i) for i, raw in enumerate(raw_levels))
+    seen: set[str] = set()
+    for i, level in enumerate(levels):
+        if level.name in seen:
+            raise ValueError(f"{path}: levels[{i}].name: duplicate level name {level.name!r}")
+        seen.add(level.name)
+    return Preset(path.stem, path, levels, data.get("description"), data.get("source"))
+
+
+def _positive_number(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+def _non_empty_str(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _level_from_yaml(path: Path, raw: Any, index: int) -> Level:
+    """Level ``index`` of a preset; the outermost one gets a placeholder size that the caller replaces."""
+    where = f"{path}: levels[{index}]"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping with a 'name', got {raw!r}")
+    for key in raw:
+        if key not in _LEVEL_KEYS:
+            raise ValueError(f"{where}: unknown key {key!r} (expected one of: {', '.join(_LEVEL_KEYS)})")
+    if "name" not in raw:
+        raise ValueError(f"{where}: missing required key 'name' (every level needs a 'name')")
+    name = raw["name"]
+    if not _non_empty_str(name):
+        raise ValueError(f"{where}.name: expected a non-empty string, got {name!r}")
+    outermost = index == 0
     if outermost and "size" in raw:
-        raise ValueError(f"{path}: the outermost level {raw['name']!r} must not set a size (it is derived from the world size)")
+        raise ValueError(
+            f"{where}.size: the outermost level {name!r} must not set a size (it is derived from the world size)"
+        )
     if not outermost and "size" not in raw:
-        raise ValueError(f"{path}: level {raw['name']!r} needs a 'size'")
-    bandwidth = raw.get("bandwidth_gbps")
-    return Level(str(raw["name"]), 1 if outermost else raw["size"], None if bandwidth is None else float(bandwidth))
+        raise ValueError(f"{where}: missing required key 'size' (level {name!r} needs a 'size')")
+    size = 1 if outermost else raw["size"]
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{where}.size: expected a positive integer, got {size!r}")
+    for key in ("bandwidth_gbps", "latency_us"):
+        if key in raw and not _positive_number(raw[key]):
+            raise ValueError(f"{where}.{key}: expected a positive number, got {raw[key]!r}")
+    if "source" in raw and not _non_empty_str(raw["source"]):
+        raise ValueError(f"{where}.source: expected a non-empty string, got {raw['source']!r}")
+    bandwidth, latency = raw.get("bandwidth_gbps"), raw.get("latency_us")
+    return Level(
+        name,
+        size,
+        None if bandwidth is None else float(bandwidth),
+        None if latency is None else float(latency),
+        raw.get("source"),
+    )

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import backend, commstats, vmajor
+from cocodiff_xfuser import backend, commstats, padding, vmajor
 from cocodiff_xfuser.comm import layout as comm_layout
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.comm.sparse import agree_selection
@@ -43,12 +43,15 @@ class PendingExchange:
     def __init__(
         self, tensors: tuple[torch.Tensor, ...], label: str, layer: vmajor.Layer | None = None, v_major: vmajor.Step | None = None
     ) -> None:
-        b, h, s, d = tensors[0].shape
         active = backend.active()
         world = active.world_size
+        heads = tensors[0].shape[1]
+        tensors = tuple(padding.pad_heads(t, world) for t in tensors)
+        b, h, s, d = tensors[0].shape
         self._n = len(tensors)
         self._label = label
         self._nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        padding.count(self._nbytes, heads, h)
         self._name = "v" if layer is not None else "qk"
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
@@ -132,10 +135,13 @@ def attention(
     from xfuser.model_executor.layers.usp import ring_attn
 
     value.progress()
+    heads, world = query.shape[1], backend.active().world_size
     joint_attn_kwargs = None
     if joint_strategy:
         query = compat.usp("_concat_joint_tensor")(query, joint_query, joint_strategy, dim=2)
-        joint_key, joint_value = compat.usp("_preprocess_joint_tensors")(joint_key, joint_value)
+        joint_key, joint_value = compat.usp("_preprocess_joint_tensors")(
+            padding.pad_heads(joint_key, world), padding.pad_heads(joint_value, world)
+        )
         joint_attn_kwargs = {
             "joint_value": joint_value,
             "joint_key": joint_key,
@@ -149,6 +155,7 @@ def attention(
         pending_q, pending_k = start_input_exchange(query, label="q"), start_input_exchange(key, label="k")
         (query,), (key,) = pending_q.wait(), pending_k.wait()
     (value,) = value.wait()
+    key, value = padding.keep_keys(key, value)
     key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
     attention_function = compat.usp("_get_attention_function")()
     kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
@@ -156,7 +163,8 @@ def attention(
         out, _ = attention_function(query, key, value, **kwargs)
     else:
         out = ring_attn(attention_function, query, key, value, **kwargs)
-    return output_exchange(out)
+    padding.count(out.numel() * out.element_size(), heads, out.shape[1] * world)
+    return output_exchange(out)[:, :heads]
 
 
 def output_exchange(out: torch.Tensor) -> torch.Tensor:
@@ -207,10 +215,17 @@ def fallback_reason(
     return _counted(agreed[key])
 
 
+def stock_reason() -> str | None:
+    """A job-wide setting that sends every call to the stock processor (None: there is none)."""
+    return _local_reason(None)
+
+
 def _counted(reason: str | None) -> str | None:
     if reason is None:
         commstats.count_v_first_call()
         return None
+    if padding.tokens_padded():
+        raise ValueError(f"cocodiff: padded tokens need cocodiff's processors, but {reason} sends this layer to stock")
     commstats.count_fallback(f"v-first: {reason}")
     if reason not in _warned:
         _warned.add(reason)

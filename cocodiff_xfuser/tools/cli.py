@@ -1,4 +1,4 @@
-"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo`` and ``bench {a2a,e2e}``."""
+"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo``, ``topology`` and ``bench {a2a,e2e}``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import logging
 import sys
 
 from cocodiff_xfuser.tools import demo, quality, verify
+from cocodiff_xfuser.tools import topology_cli
 from cocodiff_xfuser.tools.launcher import TorchrunError
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
+from cocodiff_xfuser.tools import plan as plan_tool
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
 from cocodiff_xfuser.tools.models import digits
 from cocodiff_xfuser.tools.models import tiny as tiny_models
@@ -56,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     demo_cmd.add_argument("--seed", type=int, default=0)
     demo_cmd.add_argument("--timeout", type=float, default=demo.TIMEOUT_S)
 
+    topology_cli.add_parser(sub)
+
+    plan_cmd = sub.add_parser("plan", help="cost model: predicted communication per step, recommended degrees and flags; --validate")
+    plan_tool.add_arguments(plan_cmd)
+
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run (emulated cluster: run as root)")
     kinds = bench.add_subparsers(dest="kind", required=True)
     a2a = kinds.add_parser("a2a", help="all-to-all: flat vs hierarchical vs the autotuned choice, vs the physical bound")
@@ -97,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(args)
         if args.command == "bench" and args.kind == "a2a":
             return bench_a2a.run_cli(args)
+        if args.command == "topology":
+            return topology_cli.run_cli(args)
+        if args.command == "plan":
+            return plan_tool.run_cli(args)
         if args.command == "bench" and args.kind == "e2e":
             return bench_e2e.run_cli(args)
     except ValueError as e:

@@ -198,6 +198,10 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
             progress: bool = True) -> dict:
     """Generate every case with stock Ulysses, cocodiff (``run``) and one process; the report as a dict."""
     run.check()
+    uneven = run.uneven()
+    if uneven:
+        raise ValueError(f"{uneven}: stock Ulysses cannot run this layout to compare with "
+                         f"(`cocodiff verify` compares cocodiff's padding with one process)")
     tiny_models.ensure_fixture(run.model)
     cases = [[prompt, seed] for prompt in prompts for seed in seeds]
     out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ each module named in :data:`HOOKS`. The patches, by concern:
 * :mod:`.activation`: the backend activated with xfuser's process groups, every Ulysses exchange
   routed to it, per model a fall-back to stock or V-First processors; external models
   (``cocodiff/...``) registered on first lookup;
+* :mod:`.padded`: head and token counts the Ulysses degree does not divide, padded (backend active);
 * :mod:`.workarounds`: xfuser 0.7.0 bugs, while the backend is active (and on XPU/CPU hosts);
 * :mod:`.compat`: the version, checked patch targets and every private xfuser name.
 
@@ -21,7 +22,7 @@ import functools
 import types
 from typing import Callable
 
-from cocodiff_xfuser.xfuser import activation, compat, devices, flags, workarounds
+from cocodiff_xfuser.xfuser import activation, compat, devices, flags, padded, workarounds
 
 Hook = Callable[[types.ModuleType], None]
 
@@ -53,14 +54,16 @@ HOOKS: dict[str, tuple[Hook | None, Hook | None]] = {
     "xfuser.config.args": (None, flags.patch_args),
     "xfuser.core.distributed.parallel_state": (None, devices.patch_parallel_state),
     "xfuser.core.distributed.group_coordinator": (None, devices.patch_group_coordinator),
-    "xfuser.core.distributed.runtime_state": (None, lambda rs: (devices.patch_runtime_state(rs), activation.patch_runtime_state(rs))),
+    "xfuser.core.distributed.runtime_state": (None, lambda rs: (devices.patch_runtime_state(rs), activation.patch_runtime_state(rs), padded.patch_runtime_state(rs))),
     "xfuser.core.distributed.attention_backend": (None, devices.patch_attention_backends),
     "xfuser.model_executor.models.runner_models.loading.placement": (None, devices.patch_placement),
     "xfuser.model_executor.models.runner_models.base_model": (None, activation.patch_runner_base_model),
     "xfuser.model_executor.pipelines.base_pipeline": (None, activation.patch_base_pipeline),
     "xfuser.model_executor.pipelines.pipeline_flux": (None, devices.patch_generator_devices),
     "xfuser.model_executor.pipelines.pipeline_stable_diffusion_3": (None, devices.patch_generator_devices),
-    "xfuser.model_executor.models.transformers.transformer_flux": (None, workarounds.patch_transformer_flux),
+    "xfuser.model_executor.models.transformers.transformer_flux": (
+        None, lambda flux: (workarounds.patch_transformer_flux(flux), padded.patch_transformer_flux(flux))
+    ),
     "xfuser.model_executor.layers.attention_processor": (None, workarounds.patch_attention_processor),
     "xfuser.model_executor.models.transformers.transformer_qwen": (None, workarounds.patch_transformer_qwen),
 }

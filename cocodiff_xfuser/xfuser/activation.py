@@ -13,8 +13,7 @@ from typing import NoReturn
 from cocodiff_xfuser import backend, commstats
 from cocodiff_xfuser.comm import faults
 from cocodiff_xfuser.comm.agreement import Disagreement
-from cocodiff_xfuser.xfuser import compat
-from cocodiff_xfuser.xfuser import flags
+from cocodiff_xfuser.xfuser import compat, flags, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -100,18 +99,35 @@ def _adapting_model_after(original, get_transformers):
         from cocodiff_xfuser import processors
 
         transformers = get_transformers(self, result)
+        padded.mark_padded_tokens(transformers)
         reason = next(filter(None, map(processors.unsupported_reason, transformers)), None)
+        uneven = padded.uneven_heads(transformers, active.world_size)
+        if reason is not None and uneven is not None:
+            _user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
         if reason is not None:
             logger.warning("cocodiff: %s; falling back to stock Ulysses", reason)
             commstats.count_fallback(f"model: {reason}")
             backend.deactivate()
-        elif active.options.v_first:
+        elif active.options.v_first or uneven is not None:
+            if uneven is not None:
+                _check_padding_possible(uneven)
+                logger.warning("cocodiff: %s: zero heads padded up to a multiple (cocodiff's processors)", uneven)
             v_major = active.options.v_major if active.slow_level is not None else None
             for transformer in transformers:
                 processors.install(transformer, v_major)
         return result
 
     return wrapper
+
+
+def _check_padding_possible(uneven: str) -> None:
+    """Padded heads need cocodiff's processors on every call; settings that send them to stock
+    (which asserts divisible heads) are the user's to change."""
+    from cocodiff_xfuser.processors import ulysses
+
+    reason = ulysses.stock_reason()
+    if reason is not None:
+        _user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, which {reason} rules out")
 
 
 class _ModelRegistry(dict):

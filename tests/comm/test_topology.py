@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from cocodiff_xfuser.comm import topology as topo_mod
-from cocodiff_xfuser.comm.topology import Level, Topology, detect_from_environment, resolve, restrict, xpu_tiles_per_gpu
+from cocodiff_xfuser.comm.topology import (
+    Level,
+    Topology,
+    detect_from_environment,
+    load_preset,
+    presets,
+    resolve,
+    restrict,
+    xpu_tiles_per_gpu,
+)
 
 
 @pytest.mark.parametrize(
@@ -55,17 +64,61 @@ def test_presets():
     assert Topology.from_preset("aurora", 12).sizes == (1, 6, 2)
     dgx = Topology.from_preset("dgx-h100", 16)
     assert dgx.sizes == (2, 8) and dgx.levels[1].bandwidth_gbps == 450
+    h200 = Topology.from_preset("dgx-h200", 32)
+    assert h200.sizes == (4, 8) and h200.levels[1].bandwidth_gbps == 450 and h200.levels[0].bandwidth_gbps == 50
+    pcie = Topology.from_preset("pcie-8gpu", 16)
+    assert pcie.sizes == (2, 8) and pcie.levels[1].bandwidth_gbps < 100  # no NVLink
     with pytest.raises(ValueError, match="12 ranks per node.*world size 8"):
         Topology.from_preset("aurora", 8)
     with pytest.raises(ValueError, match="unknown topology preset.*aurora"):
         Topology.from_preset("no-such-machine", 8)
+    with pytest.raises(ValueError, match="unknown topology preset"):
+        Topology.from_preset("../configs/aurora", 12)  # names, not relative paths into configs/
+
+
+def test_preset_names():
+    assert {"aurora", "dgx-h100", "dgx-h200", "pcie-8gpu"} <= set(presets())
+    assert presets() == sorted(presets())
+
+
+@pytest.mark.parametrize("name", presets())
+def test_shipped_presets_follow_the_schema(name):
+    """Every shipped preset loads, and every level carries bandwidth, latency and a citation
+    (the cost model reads them)."""
+    preset = load_preset(name)
+    assert preset.description and preset.source and preset.path.name == f"{name}.yaml"
+    for level in preset.levels:
+        assert level.bandwidth_gbps > 0 and level.latency_us > 0, (name, level)
+        assert isinstance(level.source, str) and len(level.source) > 20, (name, level)
+    topology = preset.topology(2 * preset.ranks_per_node)
+    assert topology.world_size == 2 * preset.ranks_per_node and topology.sizes[0] == 2
+    assert topology.levels[0].latency_us == preset.levels[0].latency_us
+    assert topology.levels[0].source == preset.levels[0].source
+    # Outer levels are the slow ones.
+    bandwidths = [level.bandwidth_gbps for level in preset.levels]
+    assert bandwidths == sorted(bandwidths), (name, bandwidths)
+
+
+def test_level_keyword_defaults():
+    level = Level("gpu", 4)
+    assert level.bandwidth_gbps is None and level.latency_us is None and level.source is None
+    assert Level("gpu", 4, 450.0).bandwidth_gbps == 450.0
+    assert Level("gpu", 4, latency_us=2.0, source="measured: x").latency_us == 2.0
+    with pytest.raises(ValueError, match="latency_us must be a positive number"):
+        Level("gpu", 4, latency_us=0)
 
 
 def test_preset_from_path(tmp_path):
     path = tmp_path / "rack.yaml"
-    path.write_text("levels:\n  - name: rack\n  - name: node\n    size: 2\n  - name: gpu\n    size: 4\n    bandwidth_gbps: 100\n")
+    path.write_text(
+        "description: two racks\nsource: 'measured: osu_bw'\nlevels:\n  - name: rack\n    latency_us: 5\n"
+        "  - name: node\n    size: 2\n  - name: gpu\n    size: 4\n    bandwidth_gbps: 100\n    source: a datasheet\n"
+    )
     t = Topology.from_preset(path, 16)
     assert t.sizes == (2, 2, 4) and t.names == ("rack", "node", "gpu") and t.levels[2].bandwidth_gbps == 100.0
+    assert t.levels[0].latency_us == 5.0 and t.levels[2].source == "a datasheet" and t.levels[1].source is None
+    preset = load_preset(str(path))
+    assert preset.description == "two racks" and preset.source == "measured: osu_bw" and preset.ranks_per_node == 8
 
 
 @pytest.mark.parametrize(
@@ -84,6 +137,50 @@ def test_preset_errors(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         Topology.from_preset(path, 8)
+
+
+_GOOD_INNER = "  - name: gpu\n    size: 4\n"
+
+
+@pytest.mark.parametrize(
+    "text, key, match",
+    [
+        # unknown keys (a typo must not be silently ignored)
+        ("levels:\n  - name: node\n  - name: gpu\n    size: 4\n    bandwith_gbps: 450\n",
+         "levels[1]", r"unknown key 'bandwith_gbps' \(expected one of: name, size, bandwidth_gbps, latency_us, source\)"),
+        ("level:\n  - name: node\n", "'level'", r"unknown key 'level' \(expected one of: levels, description, source\)"),
+        # missing required keys
+        ("description: x\n", "levels", "non-empty 'levels'"),
+        ("levels:\n  - name: node\n  - name: gpu\n", "levels[1]", "missing required key 'size'"),
+        ("levels:\n  - name: node\n  - size: 4\n", "levels[1]", "missing required key 'name'"),
+        # wrong types and values
+        ("levels:\n  - name: node\n  - name: gpu\n    size: '4'\n", "levels[1].size", "positive integer, got '4'"),
+        ("levels:\n  - name: node\n  - name: gpu\n    size: 2.5\n", "levels[1].size", "positive integer, got 2.5"),
+        ("levels:\n  - name: node\n  - name: gpu\n    size: true\n", "levels[1].size", "positive integer, got True"),
+        ("levels:\n  - name: node\n    bandwidth_gbps: fast\n" + _GOOD_INNER, "levels[0].bandwidth_gbps", "positive number, got 'fast'"),
+        ("levels:\n  - name: node\n    bandwidth_gbps: -1\n" + _GOOD_INNER, "levels[0].bandwidth_gbps", "positive number, got -1"),
+        ("levels:\n  - name: node\n    latency_us: 0\n" + _GOOD_INNER, "levels[0].latency_us", "positive number, got 0"),
+        ("levels:\n  - name: node\n    latency_us: .nan\n" + _GOOD_INNER, "levels[0].latency_us", "positive number"),
+        ("levels:\n  - name: node\n    source: 3\n" + _GOOD_INNER, "levels[0].source", "non-empty string, got 3"),
+        ("levels:\n  - name: 5\n" + _GOOD_INNER, "levels[0].name", "non-empty string, got 5"),
+        ("levels:\n  - name: node\n    size: 2\n" + _GOOD_INNER, "levels[0].size", "must not set a size"),
+        ("description: [a]\nlevels:\n  - name: node\n" + _GOOD_INNER, "description", "non-empty string"),
+        ("source: ''\nlevels:\n  - name: node\n" + _GOOD_INNER, "source", "non-empty string"),
+        ("levels:\n  - name: gpu\n" + _GOOD_INNER, "levels[1].name", "duplicate level name 'gpu'"),
+        ("levels:\n  - node\n", "levels[0]", "expected a mapping"),
+        ("levels: {name: node}\n", "levels", "non-empty 'levels' list"),
+        ("- name: node\n", "levels", "expected a mapping with a non-empty 'levels' list"),
+        ("levels: [\n", "YAML", "not valid YAML"),
+    ],
+)
+def test_preset_schema_errors_name_file_and_key(tmp_path, text, key, match):
+    path = tmp_path / "dgx-h200.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match) as info:
+        Topology.from_preset(path, 8)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    assert key in message and "\n" not in message, message
 
 
 def test_validate():
@@ -161,6 +258,7 @@ def test_restrict_irregular(spec, ranks, match):
 def test_resolve(monkeypatch):
     assert resolve("2x2", 4).sizes == (2, 2)
     assert resolve("dgx-h100", 16).sizes == (2, 8)
+    assert resolve("pcie-8gpu", 8).sizes == (1, 8)
     with pytest.raises(ValueError, match="world size is 8"):
         resolve("2x2", 8)
     monkeypatch.setattr(topo_mod, "detect_from_environment", lambda group=None: Topology.parse("2x4"))

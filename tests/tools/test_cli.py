@@ -57,7 +57,7 @@ def test_demo_shows_every_digit_bitwise_equal(tmp_path):
 @pytest.mark.parametrize(
     "run, message",
     [
-        (Run(model="tiny-flux", ulysses_degree=3), "not divisible by ulysses degree 3"),
+        (Run(model="tiny-flux", ulysses_degree=3, ring_degree=2), "ring degree 1 only"),
         (Run(model="tiny-flux", ulysses_degree=4, topology="3x2"), "world size"),
         (Run(model="tiny-flux", ulysses_degree=4, topology="2x2x"), "topology"),
         (Run(model="stable-cascade", ulysses_degree=2), "unknown model"),
@@ -77,7 +77,7 @@ def test_unknown_model_is_rejected_by_the_cli():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("verify", "--model", "tiny-flux", "--ulysses-degree", "3"), "not divisible by ulysses degree 3"),
+        (("verify", "--model", "tiny-flux", "--ulysses-degree", "3", "--ring-degree", "2"), "ring degree 1 only"),
         (("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "3x2"), "world size"),
         (("quality", "--ulysses-degree", "3"), "not divisible by ulysses degree 3"),
     ],

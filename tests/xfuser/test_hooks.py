@@ -145,13 +145,20 @@ def _generate_u2(tmp_path, model: str, size: int):
     return launcher.torchrun(2, run.argv(("ulysses", "cocodiff"), tmp_path), timeout=600)
 
 
-def test_flux_odd_token_count_is_refused(tmp_path):
+def test_flux_odd_token_count_is_refused_by_stock_and_padded_by_cocodiff(tmp_path):
     """36x36 gives 81 image tokens. xfuser 0.7.0 crashed on a misspelled method; calling the real one
-    attends to zero padding (5.6e-4 off one process here), so the workaround is a clear error."""
+    attends to zero padding (5.6e-4 off one process here), so stock gets a clear error, while
+    cocodiff pads the tokens and drops them from the keys (cocodiff_xfuser/padding.py)."""
+    from cocodiff_xfuser.tools import launcher, verify
     from cocodiff_xfuser.tools.launcher import TorchrunError
 
+    run = verify.Run(model="tiny-flux", ulysses_degree=2, height=36, width=36)
     with pytest.raises(TorchrunError, match="81 image tokens are not divisible by the SP degree 2"):
-        _generate_u2(tmp_path, "tiny-flux", 36)
+        launcher.torchrun(2, run.argv(("ulysses",), tmp_path), timeout=600)
+    report = verify.verify(run, workdir=tmp_path)
+    assert report["within_tolerance"] and report["max_abs_diff_vs_single_process"] <= verify.SINGLE_PROCESS_ATOL, report
+    ran = report["ran"]["cocodiff"]
+    assert ran["padded_bytes"] > 0 and ran["v_first_calls"] > 0 and ran["fallbacks"] == {}, ran
 
 
 def test_qwen_padding_that_would_change_the_image_is_refused(tmp_path):

@@ -412,13 +412,27 @@ def _absent_components(path: str) -> dict:
     return {k: None for k, v in index.items() if isinstance(v, list) and v == [None, None]}
 
 
-def check_heads(name: str, ulysses_degree: int) -> None:
-    """Fail before launching when the model's heads cannot be split over the Ulysses ranks."""
+# Image pixels per FLUX token side: the tiny autoencoders halve (2x2 pixel shuffle for
+# digits-flux), and FLUX packs 2x2 latents into one token.
+FLUX_PIXELS_PER_TOKEN = 4
+
+
+def uneven(name: str, ulysses_degree: int, ring_degree: int = 1, height: int | None = None, width: int | None = None) -> str | None:
+    """What stock Ulysses cannot split on this layout (cocodiff pads it), or None.
+
+    Heads must divide by the Ulysses degree; for FLUX, the text and image tokens by the SP degree.
+    """
     spec = SPECS[name]
-    if spec.heads % ulysses_degree:
-        raise ValueError(
-            f"{spec.model_id} has {spec.heads} attention heads, not divisible by ulysses degree {ulysses_degree}"
-        )
+    uneven = [f"{spec.heads} attention heads"] if spec.heads % ulysses_degree else []
+    sp = ulysses_degree * ring_degree
+    if spec.pipeline == "FluxPipeline" and sp > 1:
+        image = ((height or spec.height) // FLUX_PIXELS_PER_TOKEN) * ((width or spec.width) // FLUX_PIXELS_PER_TOKEN)
+        tokens = [f"{n} {what} tokens" for n, what in ((spec.text_len, "text"), (image, "image")) if n % sp]
+        if tokens and ring_degree > 1:
+            raise ValueError(f"{spec.model_id}: {' and '.join(tokens)} not divisible by SP degree {sp}; "
+                             f"cocodiff pads tokens with ring degree 1 only")
+        uneven += tokens
+    return f"{' and '.join(uneven)} not divisible by ulysses degree {ulysses_degree}" if uneven else None
 
 
 def pipeline_kwargs(spec: TinySpec, input_args: dict, generator: torch.Generator) -> dict:

@@ -1,0 +1,132 @@
+"""Any head and token count under Ulysses: pad to the degree, keep attention exact, trim.
+
+Stock Ulysses needs the attention heads and the sequence each divisible by the Ulysses degree
+``W`` (SD3.5-large has 38 heads, Z-Image 30: neither splits over 4, 8 or 12 ranks, and an Aurora
+node has 12 tiles). cache-dit's "Ulysses Anything" pads and unpads; this is the same idea for
+xfuser, kept exact:
+
+* **heads**: each exchanged ``[b, h, s, d]`` tensor gets ``ceil(h/W)*W - h`` zero heads before its
+  input exchange, and the output exchange's result is cut back to ``h`` heads. Heads are attended
+  independently, so a zero head changes no real one (its own output is zeros and is dropped).
+* **tokens** (FLUX, Ulysses without ring): the text and image streams are each padded with zero
+  tokens to a multiple of ``W`` so every rank holds an equal shard of both; the padded tokens are
+  removed from the keys and values after the input exchange (:func:`keep_keys`), so no real token
+  attends to them, and the image is cut back after the final gather. Padded queries compute
+  rows that are dropped.
+
+The padding costs bytes, counted in ``commstats.ran()["padded_bytes"]`` (sent zeros) next to the
+exchanged bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from cocodiff_xfuser import commstats
+
+
+def padded(count: int, world: int) -> int:
+    """``count`` rounded up to a multiple of ``world``."""
+    return math.ceil(count / world) * world
+
+
+def pad_heads(x: torch.Tensor, world: int) -> torch.Tensor:
+    """``[b, h, s, d]`` with zero heads appended up to a multiple of ``world`` (``x`` itself if none)."""
+    extra = padded(x.shape[1], world) - x.shape[1]
+    if extra == 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1)
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The token streams of one forward, in the order each rank lays out its shard (text, then
+    image for FLUX): ``(real, padded)`` lengths each, ``padded`` a multiple of the degree."""
+
+    lengths: tuple[tuple[int, int], ...]
+    world: int
+
+    @property
+    def local(self) -> int:
+        """Tokens per rank (all streams)."""
+        return sum(p for _, p in self.lengths) // self.world
+
+    def keep(self, device: torch.device) -> torch.Tensor:
+        """Positions of real tokens in the exchanged sequence ``[rank 0's shard, rank 1's, ...]``."""
+        keep = []
+        for rank in range(self.world):
+            offset = rank * self.local
+            for real, pad in self.lengths:
+                shard = pad // self.world
+                first = rank * shard  # this shard's first position in its stream
+                keep.extend(offset + i for i in range(shard) if first + i < real)
+                offset += shard
+        return torch.tensor(keep, dtype=torch.long, device=device)
+
+
+_streams: Streams | None = None
+_keep_cache: dict[tuple[Streams, torch.device], torch.Tensor] = {}
+
+
+@contextlib.contextmanager
+def tokens(streams: Streams) -> Iterator[None]:
+    """While a padded forward runs: attention drops the padded keys (:func:`keep_keys`)."""
+    global _streams
+    previous, _streams = _streams, streams
+    try:
+        yield
+    finally:
+        _streams = previous
+
+
+def tokens_padded() -> bool:
+    """Whether a forward with padded tokens is running."""
+    return _streams is not None
+
+
+def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-sharded ``[b, h/W, W*s, d]`` K and V without the padded tokens of the running forward."""
+    if _streams is None:
+        return key, value
+    if key.shape[2] != _streams.world * _streams.local:
+        raise ValueError(
+            f"cocodiff: padded tokens of a {_streams.world}-way Ulysses forward, but an attention layer sees "
+            f"{key.shape[2]} keys instead of {_streams.world * _streams.local}; this model's sequence layout "
+            f"is not supported with padding: choose a resolution and text length divisible by the degree"
+        )
+    index = _keep_cache.get((_streams, key.device))
+    if index is None:
+        index = _keep_cache.setdefault((_streams, key.device), _streams.keep(key.device))
+    return key.index_select(2, index), value.index_select(2, index)
+
+
+def streams(lengths: Sequence[int], world: int) -> Streams | None:
+    """The padded layout of streams of these lengths, or None when every one divides ``world``."""
+    if all(n % world == 0 for n in lengths):
+        return None
+    return Streams(tuple((n, padded(n, world)) for n in lengths), world)
+
+
+def pad_tokens(x: torch.Tensor, to: int, dim: int) -> torch.Tensor:
+    """``x`` with zero tokens appended along ``dim`` up to length ``to``."""
+    extra = to - x.shape[dim]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def count(nbytes: int, heads: int, padded_heads: int) -> None:
+    """Count the padding's share of an exchange of ``nbytes``: ``padded_heads`` heads, of which
+    ``heads`` are real, and the padded tokens of the running forward."""
+    real = heads / padded_heads
+    if _streams is not None:
+        real *= sum(r for r, _ in _streams.lengths) / sum(p for _, p in _streams.lengths)
+    if real < 1:
+        commstats.count_padding(round(nbytes * (1 - real)))

@@ -1,0 +1,701 @@
+"""``cocodiff plan``: a communication cost model per link level, its validation, and a planner.
+
+The model
+---------
+One exchange of ``x`` bytes per rank over a group is priced per link level:
+
+* **flat** (stock ``all_to_all_single``): every rank sends ``(W-1)/W`` of its data at once on the
+  direct routes; each level (or emulated link class) carries the bytes whose route crosses it and
+  the slowest one decides: ``max_level(bytes_level / bandwidth_level) + latency``. On the emulated
+  ``rail`` fabric cross-rail bytes also cross the oversubscribed spine
+  (:meth:`Fabric.bound_s` with ``"flat"`` routes).
+* **TAPA** (``hierarchical``): one phase per level, fastest first; the phase of level ``i`` moves
+  ``x (s_i - 1) / s_i`` bytes per rank over that level; phases run one after the other:
+  ``sum_i (latency_i + bytes_i / bandwidth_i)``. In ``P`` parts the phases overlap:
+  ``max_i t_i + (sum_i t_i - max_i t_i) / P``.
+* **efficiency and host**: measured exchanges are slower than line rate (TCP through ``tc tbf``,
+  more so with more nodes, i.e. more flows per link) and, on the emulated cluster (many ranks on
+  2 CPU cores), bounded by the host: ``t = max(eff * t_link + latency, host)`` with
+  ``eff = e0 + e1 (nodes - 2)`` and ``host = (ranks / cores) (h_phase * phases + h_byte * x)``.
+  On GPU presets ``eff = 1`` and ``host = 0`` unless ``--calibrate`` fits them.
+* **per step**: per attention layer the Ulysses input exchange (Q, K, V; xfuser's FLUX processor
+  stacks them in one message, its SD3 processor sends three) and the output exchange, each
+  ``b * s / (U R) * ceil(h/U) U * d * dtype`` bytes per tensor; V-First splits the input into V,
+  then Q/K, and hides up to the Q/K projection time of V's exchange (the compute estimate: on the
+  emulated runs the stock step time minus its communication; on GPU presets a FLOP count at a
+  stated TFLOP/s); V-Major scales the slow level's Q/K/V bytes by the active fraction and the
+  residual dtype (defaults from ``docs/results/sweep-v-major.json``); ring attention passes K/V
+  ``R - 1`` times per layer, hidden behind attention compute where it fits.
+
+Validation (``--validate``): every shipped measurement in ``docs/results`` the model can predict
+(a2a: flat, hierarchical and the chosen exchange at every size, fabric and shape; the rail host
+floors; e2e: every configuration's exposed communication per step). Leave-one-fabric-out: the
+four shared coefficients (e0, e1, h_phase, h_byte) are fitted by least squares on the a2a
+measurements of the OTHER fabrics and the fabric's own line rates come from its preset and
+parameters; e2e points use coefficients fitted on all a2a points (no e2e time is ever fitted).
+No point is predicted from its own value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS, Fabric
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "results"
+TARGET_MEDIAN = 0.15
+#: Achieved dense bf16 TFLOP/s per rank assumed for the compute estimate (V-First's window, the
+#: step time): ASSUMPTIONS, about 40% of the datasheet peak (H100/H200 SXM 989, PVC tile ~420).
+TFLOPS = {"dgx-h100": 400.0, "dgx-h200": 400.0, "aurora": 150.0, "pcie-8gpu": 150.0}
+DEFAULT_TFLOPS = 200.0
+#: V-Major defaults (configs/policies/v-major.yaml) as measured by the shipped sweep: share of
+#: rows sent over slow links and warm-up steps; fp8 residuals: 1 byte per element.
+V_MAJOR_ACTIVE = 0.676
+V_MAJOR_WARMUP = 2
+
+
+# ---------------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    heads: int
+    head_dim: int
+    attn: Tuple[Tuple[int, bool], ...]  # (attention calls per forward, text tokens joint?)
+    text_tokens: int
+    pixels_per_token: int  # image side per token side (VAE factor x patch)
+    dtype_bytes: int = 2
+    cfg: bool = False  # true classifier-free guidance (two transformer passes, batch 2)
+    stacked_qkv: bool = True  # xfuser's processor sends Q/K/V as one message (FLUX) or three
+    frames_per_token: int = 0  # video: frames per latent frame (0 = image model)
+    source: str = ""
+
+    @property
+    def layers(self) -> int:
+        return sum(n for n, _ in self.attn)
+
+    def tokens(self, size: int, frames: int = 1) -> Tuple[int, int]:
+        """(image/video tokens, text tokens in joint attention)."""
+        side = size // self.pixels_per_token
+        t = (frames - 1) // self.frames_per_token + 1 if self.frames_per_token else 1
+        return side * side * t, self.text_tokens
+
+
+MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
+    ModelSpec("flux-dev", 24, 128, ((57, True),), 512, 16, source=(
+        "black-forest-labs/FLUX.1-dev transformer/config.json: num_layers 19 + num_single_layers 38, "
+        "24 heads x 128; VAE /8, patch 2; max_sequence_length 512; guidance-distilled (no true CFG)")),
+    ModelSpec("sd3.5-large", 38, 64, ((38, True),), 333, 16, cfg=True, stacked_qkv=False, source=(
+        "stabilityai/stable-diffusion-3.5-large transformer/config.json: num_layers 38, 38 heads x 64, "
+        "patch 2, VAE /8; 77 CLIP + 256 T5 text tokens")),
+    ModelSpec("qwen-image", 24, 128, ((60, True),), 256, 16, cfg=True, source=(
+        "Qwen/Qwen-Image transformer/config.json: num_layers 60, 24 heads x 128, patch 2, VAE /8; "
+        "text tokens depend on the prompt: 256 assumed")),
+    ModelSpec("wan2.1-14b", 40, 128, ((40, False),), 0, 16, cfg=True, frames_per_token=4, source=(
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json: num_layers 40, 40 heads x 128, patch "
+        "(1,2,2), VAE /8 spatial /4 temporal; text enters by cross-attention (not exchanged)")),
+    # The project's tiny models (tools/models/tiny.py, digits.py): fp32, 4 pixels per token side.
+    ModelSpec("tiny-flux", 8, 16, ((4, True),), 32, 4, 4, source="tools/models/tiny.py: 2 double + 2 single"),
+    ModelSpec("tiny-sd3", 8, 16, ((2, False), (3, True)), 32, 4, 4, cfg=True, stacked_qkv=False,
+              source="tools/models/tiny.py: 3 joint blocks, 2 with a second image-only attention"),
+    ModelSpec("digits-flux", 8, 16, ((6, True),), 16, 4, 4, source="tools/models/digits.py: 2 double + 4 single"),
+)}
+
+
+def step_messages(spec: ModelSpec, size: int, *, frames: int = 1, batch: int = 1, ulysses: int = 1,
+                  ring: int = 1, cfg_parallel: bool = False, v_first: bool = False) -> List[Tuple[str, float, int]]:
+    """Per-rank all-to-all messages of one denoising step: ``(kind, bytes, count)``.
+
+    ``kind`` is ``qkv``/``q``/``k``/``v``/``qk``/``out``; one unit is one tensor's
+    ``b * s / (U R) * ceil(h/U) U * d * dtype`` (padded heads when ``U`` does not divide ``h``).
+    """
+    img, txt = spec.tokens(size, frames)
+    if ulysses == 1:
+        return []
+    b = batch * (2 if spec.cfg and not cfg_parallel else 1)
+    heads = math.ceil(spec.heads / ulysses) * ulysses
+    units = [("qkv", 3)] if spec.stacked_qkv else [("q", 1), ("k", 1), ("v", 1)]
+    if v_first:
+        units = [("v", 1), ("qk", 2)]
+    out = []
+    for count, joint in spec.attn:
+        s = img + (txt if joint else 0)
+        unit = b * s / (ulysses * ring) * heads * spec.head_dim * spec.dtype_bytes
+        out += [(k, n * unit, count) for k, n in units + [("out", 1)]]
+    return out
+
+
+# ---------------------------------------------------------------------------------- clusters
+@dataclass(frozen=True)
+class LinkLevel:
+    name: str
+    size: int
+    Bps: Optional[float]  # bytes/s per rank crossing the level; None = unlimited
+    latency_s: float = 0.0
+
+
+@dataclass
+class Coeffs:
+    """What calibration fits (see the module docstring); defaults: an ideal GPU cluster."""
+
+    e0: float = 1.0
+    e1: float = 0.0
+    h_phase: float = 0.0
+    h_byte: float = 0.0
+    cores: float = 0.0  # 0: no host term
+    flat_factor: float = 1.0  # measured flat / best-routing slope (real-cluster calibration)
+    source: str = "preset line rates, ideal links, no host term"
+
+
+class Cluster:
+    """A group of ranks as link levels (outermost first), or an emulated fabric."""
+
+    def __init__(self, levels: Sequence[LinkLevel], fabric: Optional[Fabric] = None, name: str = ""):
+        self.levels = [lv for lv in levels if lv.size > 1]
+        self.fabric = fabric
+        self.name = name
+
+    @property
+    def world(self) -> int:
+        return math.prod(lv.size for lv in self.levels) if self.levels else 1
+
+    @property
+    def nodes(self) -> int:
+        return self.fabric.nodes if self.fabric else (self.levels[0].size if len(self.levels) > 1 else 1)
+
+    @classmethod
+    def from_preset(cls, preset: str, world: int) -> "Cluster":
+        from cocodiff_xfuser.comm.topology import Topology  # light: no torch
+
+        try:
+            topo = Topology.from_preset(preset, world)
+        except (OSError, KeyError) as e:
+            raise ValueError(f"unknown cluster preset {preset!r} ({e})") from None
+        levels = []
+        for lv in topo.levels:
+            bw = getattr(lv, "bandwidth_gbps", None)
+            if bw is None:
+                raise ValueError(f"preset {preset!r}: level {lv.name!r} has no bandwidth_gbps; calibrate "
+                                 "with --calibrate a2a.json")
+            lat = getattr(lv, "latency_us", None)
+            levels.append(LinkLevel(lv.name, lv.size, bw * 1e9, (lat or 0.0) * 1e-6))
+        return cls(levels, name=preset)
+
+    @classmethod
+    def from_fabric(cls, fab: Fabric) -> "Cluster":
+        lc = fab.link_classes
+        if fab.preset == "aurora-like":
+            levels = [LinkLevel("node", fab.nodes, lc["uplink"].Bps / fab.local),
+                      LinkLevel("gpu", fab.local // 2, lc["xe"].Bps), LinkLevel("tile", 2, None)]
+        else:
+            Bps = lc["rail"].Bps if fab.preset == "rail" else lc["uplink"].Bps / fab.local
+            levels = [LinkLevel("node", fab.nodes, Bps), LinkLevel("gpu", fab.local, None)]
+        return cls(levels, fabric=fab, name=f"{fab.preset} {fab.nodes}x{fab.local}")
+
+    def subgroup(self, size: int) -> "Cluster":
+        """The cluster of ``size`` contiguous ranks (innermost levels first)."""
+        if self.world % size:
+            raise ValueError(f"a group of {size} does not divide {self.world} ranks")
+        levels, left = [], size
+        for lv in reversed(self.levels):
+            take = min(left, lv.size)
+            if left % take or (take < lv.size and lv.size % take):
+                raise ValueError(f"a group of {size} ranks does not fit the levels {self.describe()}")
+            levels.insert(0, replace(lv, size=take))
+            left //= take
+        if self.fabric is not None and size > 1:
+            inner = math.prod(lv.size for lv in levels[1:]) if len(levels) > 1 else size
+            if levels and levels[0].name == "node":
+                return Cluster.from_fabric(Fabric(self.fabric.preset, levels[0].size, inner, params=self.fabric.params))
+        return Cluster(levels, name=self.name)
+
+    def describe(self) -> str:
+        return " x ".join(f"{lv.size} {lv.name}" + (f" ({lv.Bps / 1e9:g} GB/s)" if lv.Bps else "") for lv in self.levels)
+
+    # -- link times (seconds), before efficiency and host terms
+    def flat_link(self, x: float, slow_scale: float = 1.0) -> float:
+        if self.fabric is not None:
+            cb = self.fabric.bound_breakdown("flat", x)
+            slow = {"uplink", "rail", "spine"}  # classes crossed by inter-node bytes
+            return max((v["seconds"] * (slow_scale if k in slow else 1.0) for k, v in cb.items()), default=0.0)
+        t, outer = 0.0, 1
+        for i, lv in enumerate(self.levels):
+            frac = (lv.size - 1) / lv.size / outer
+            if lv.Bps:
+                t = max(t, x * frac / lv.Bps * (slow_scale if i == 0 else 1.0))
+            outer *= lv.size
+        return t
+
+    def phases(self, x: float, slow_scale: float = 1.0) -> List[float]:
+        """TAPA's phase link times, innermost level first."""
+        out = []
+        for i, lv in reversed(list(enumerate(self.levels))):
+            scale = slow_scale if i == 0 and len(self.levels) > 1 else 1.0
+            out.append(0.0 if not lv.Bps else x * (lv.size - 1) / lv.size / lv.Bps * scale)
+        return out
+
+    def latency(self, flat: bool) -> float:
+        lats = [lv.latency_s for lv in self.levels]
+        return (max(lats) if flat else sum(lats)) if lats else 0.0
+
+    def time(self, algorithm: str, x: float, c: Coeffs, slow_scale: float = 1.0) -> float:
+        """Predicted seconds of one exchange (``flat``, ``flat_p2p``, ``hierarchical[_xP]``)."""
+        if self.world <= 1:
+            return 0.0
+        eff = c.e0 + c.e1 * max(0, self.nodes - 2)
+        if algorithm.startswith("flat") or len(self.levels) < 2:
+            link, nph = self.flat_link(x, slow_scale) * c.flat_factor, 1
+            lat = self.latency(True)
+        else:
+            parts = int(algorithm.rsplit("_x", 1)[1]) if "_x" in algorithm else 1
+            ph = self.phases(x, slow_scale)
+            link = max(ph) + (sum(ph) - max(ph)) / parts
+            nph = len(self.levels) * parts
+            lat = self.latency(False) * parts
+        host = (self.world / c.cores) * (c.h_phase * nph + c.h_byte * x) if c.cores else 0.0
+        return max(eff * link + lat, host)
+
+    def best(self, x: float, c: Coeffs, slow_scale: float = 1.0) -> Tuple[str, float]:
+        cands = ["flat"] + (["hierarchical", "hierarchical_x2", "hierarchical_x4"] if len(self.levels) > 1 else [])
+        return min(((a, self.time(a, x, c, slow_scale)) for a in cands), key=lambda t: t[1])
+
+
+# ---------------------------------------------------------------------------------- calibration
+@dataclass
+class Sample:
+    cluster: Cluster
+    algorithm: str
+    x: float
+    measured: float
+    group: str = ""
+    label: str = ""
+
+
+def fit(samples: Sequence[Sample], cores: float = 2.0, iters: int = 60) -> Coeffs:
+    """Least squares on relative error: link-bound points fit (e0, e1), host-bound (h_phase, h_byte),
+    alternating until the split into the two regimes is stable."""
+    import numpy as np
+
+    if len(samples) < 2:
+        raise ValueError("calibration needs at least two measurements")
+    c = Coeffs(1.1, 0.05, 0.002, 1e-9, cores, source="")
+    split = None
+    for _ in range(iters):
+        link_rows, host_rows = [], []
+        for s in samples:
+            cl, a = s.cluster, s.algorithm
+            host_only = Coeffs(0.0, 0.0, c.h_phase, c.h_byte, cores)
+            link_only = replace(c, cores=0.0)
+            lt, ht = cl.time(a, s.x, link_only), cl.time(a, s.x, host_only)
+            nph = 1 if a.startswith("flat") or len(cl.levels) < 2 else len(cl.levels) * (int(a.rsplit("_x", 1)[1]) if "_x" in a else 1)
+            if lt >= ht:
+                base = lt / (c.e0 + c.e1 * max(0, cl.nodes - 2))
+                link_rows.append(([base / s.measured, base * max(0, cl.nodes - 2) / s.measured], 1.0))
+            else:
+                w = cl.world / cores
+                host_rows.append(([w * nph / s.measured, w * s.x / s.measured], 1.0))
+        new_split = (len(link_rows), len(host_rows))
+        if len(link_rows) >= 2:
+            A = np.array([r for r, _ in link_rows])
+            if np.ptp(A[:, 1]) == 0 or not A[:, 1].any():
+                c.e0, c.e1 = float(np.linalg.lstsq(A[:, :1], np.ones(len(A)), rcond=None)[0][0]), 0.0
+            else:
+                c.e0, c.e1 = (float(v) for v in np.linalg.lstsq(A, np.ones(len(A)), rcond=None)[0])
+        if len(host_rows) >= 2:
+            h = np.linalg.lstsq(np.array([r for r, _ in host_rows]), np.ones(len(host_rows)), rcond=None)[0]
+            c.h_phase, c.h_byte = max(float(h[0]), 0.0), max(float(h[1]), 0.0)
+        if new_split == split:
+            break
+        split = new_split
+    return c
+
+
+def _a2a_reports(paths: Sequence[Path]) -> List[dict]:
+    reps = []
+    for p in paths:
+        try:
+            d = json.loads(Path(p).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read a2a results {p}: {e}") from None
+        if "reports" in d:  # a multi-shape summary: the per-shape files hold the same reports
+            continue
+        if not isinstance(d, dict) or "results" not in d or "levels" not in d:
+            raise ValueError(f"{p} is not a `cocodiff bench a2a` JSON (no results/levels)")
+        reps.append(d)
+    return reps
+
+
+def a2a_samples(report: dict, floor: bool = False) -> List[Sample]:
+    """Samples of one a2a report: flat, hierarchical and chosen per size (host floors if ``floor``)."""
+    fabric = report.get("fabric")
+    if fabric in FABRICS:
+        fab = Fabric(fabric, report["nodes"], report["local"], params=report.get("params") or None)
+        cl = Cluster.from_fabric(fab)
+        shape = f"{report['nodes']}x{report['local']}"
+    else:  # a real cluster: levels only, bandwidths unknown (fitted per level by calibrate())
+        cl = Cluster([LinkLevel(f"level{i}", s, None) for i, s in enumerate(report["levels"])])
+        fabric, shape = "cluster", "x".join(map(str, report["levels"]))
+    out = []
+    for r in report["results"]:
+        x = float(r["size_bytes"])
+        if floor:
+            if r.get("host_floor_s"):
+                fast = Cluster.from_fabric(Fabric(fab.preset, fab.nodes, fab.local, params={
+                    k: v * 100 if k.endswith("_bps") else v for k, v in fab.params.items()}))
+                out.append(Sample(fast, "best", x, r["host_floor_s"], f"a2a/{fabric}/host-floor",
+                                  f"{fabric} {shape} {x / 2**20:g} MiB host floor"))
+            continue
+        for alg in ("flat", "hierarchical", "chosen"):
+            a = r["chosen"] if alg == "chosen" else alg
+            m = r.get(f"{alg}_s")
+            if m:
+                out.append(Sample(cl, a, x, float(m), f"a2a/{fabric}/{alg}", f"{fabric} {shape} {x / 2**20:g} MiB {alg} ({a})"))
+    return out
+
+
+def calibrate_file(path: Path, cores: float = 2.0) -> Tuple[Coeffs, Optional[Cluster]]:
+    """Coefficients from one ``cocodiff bench a2a`` JSON (emulated fabric: its line rates + fitted
+    efficiency and host terms; a real cluster: the slowest level's effective bandwidth and latency
+    fitted by least squares on the flat exchange, the inner levels' from the hierarchical one)."""
+    import numpy as np
+
+    reps = _a2a_reports([path]) or _a2a_reports(sorted(Path(path).parent.glob(Path(path).stem + "-*.json")))
+    if not reps:
+        raise ValueError(f"{path}: no a2a measurements")
+    if all(r.get("fabric") in FABRICS for r in reps):
+        c = fit([s for r in reps for s in a2a_samples(r)], cores)
+        c.source = f"fitted on {path} (fabric line rates + efficiency and host terms)"
+        return c, None
+    r = reps[0]
+    levels = list(r["levels"])
+    W = math.prod(levels)
+
+    def line(key: str) -> Tuple[float, float]:
+        xs = np.array([float(p["size_bytes"]) for p in r["results"] if p.get(key)])
+        ts = np.array([float(p[key]) for p in r["results"] if p.get(key)])
+        if len(xs) < 2:
+            raise ValueError(f"{path}: fewer than two {key} measurements")
+        slope, lat = np.polyfit(xs, ts, 1)
+        return max(float(lat), 0.0), max(float(slope), 1e-15)
+
+    # The slowest (node) level from the best routing's slope: TAPA's node phase carries (N-1)/N of
+    # a rank's data, its inner phases are taken as free (fast levels); flat's extra cost over that
+    # routing (contention, oversubscription) is kept as one factor on its slope.
+    lat0, slope0 = line("flat_s")
+    lat1, slope1 = line("hierarchical_s") if any(p.get("hierarchical_s") for p in r["results"]) else (lat0, slope0)
+    best_lat, best_slope = (lat1, slope1) if slope1 < slope0 else (lat0, slope0)
+    outer_frac = (levels[0] - 1) / levels[0]
+    lv = [LinkLevel("node", levels[0], outer_frac / best_slope, best_lat)]
+    if len(levels) > 1:
+        lv.append(LinkLevel("gpu", W // levels[0], None))
+    c = Coeffs(flat_factor=slope0 / best_slope, source=f"node-level latency and bandwidth fitted on {path}")
+    return c, Cluster(lv, name=str(path))
+
+
+# ---------------------------------------------------------------------------------- e2e
+_RATE = re.compile(r"^\s*(\w+)\s+(\d+) x ([\d.]+) Mbit/s each", re.M)
+
+
+def _e2e_fabric(d: dict) -> Fabric:
+    rates = {m.group(1): float(m.group(3)) * 1e6 for m in _RATE.finditer(d.get("fabric_description", ""))}
+    preset, N, L = d["fabric"], d["nodes"], d["local"]
+    if preset == "rail":
+        params = {"rail_bps": rates["rail"]}
+    elif preset == "shared-uplink":
+        params = {"uplink_bps": rates["uplink"]}
+    else:
+        params = {"tile_nic_share_bps": rates["uplink"] / L}
+    return Fabric(preset, N, L, params=d.get("params") or params)
+
+
+def layer_flops(spec: ModelSpec, s: float, s_local: float) -> float:
+    """FLOPs of one DiT block per rank: QKV + out + 4x MLP projections on the local tokens (24 D^2
+    per token), attention over the whole sequence (4 s D per local token)."""
+    D = spec.heads * spec.head_dim
+    return s_local * (24 * D * D + 4 * s * D)
+
+
+def predict_step(spec: ModelSpec, cl: Cluster, c: Coeffs, *, size: int, frames: int = 1, batch: int = 1,
+                 ulysses: int, ring: int = 1, cfg_parallel: bool = False, algorithm: str = "best",
+                 v_first: bool = False, v_major: Optional[float] = None, steps: int = 50,
+                 compute_layer_s: Optional[float] = None, tflops: float = DEFAULT_TFLOPS) -> dict:
+    """Per-step exposed communication of one configuration (seconds and its parts).
+
+    ``cl`` is the Ulysses group's cluster; ``v_major``: active fraction on the slow level (None = off);
+    ``compute_layer_s``: measured compute per attention layer (else FLOPs / ``tflops``)."""
+    img, txt = spec.tokens(size, frames)
+    msgs = step_messages(spec, size, frames=frames, batch=batch, ulysses=ulysses, ring=ring,
+                         cfg_parallel=cfg_parallel, v_first=v_first)
+    per_layer = max(len(msgs) // len(spec.attn), 1)
+    res_scale = 1.0
+    if v_major is not None:  # fp8 residuals of active rows after the warm-up steps; Q,K,V only
+        dense = min(1.0, V_MAJOR_WARMUP / max(steps, 1))
+        res_scale = dense + (1 - dense) * v_major * (1.0 / spec.dtype_bytes)
+    total = hidden = nbytes = 0.0
+    algs: Dict[str, int] = {}
+    for i, (kind, x, count) in enumerate(msgs):
+        scale = res_scale if kind != "out" else 1.0
+        if algorithm == "best":
+            a, t = cl.best(x, c, scale)
+        else:
+            a, t = algorithm, cl.time(algorithm, x, c, scale)
+        algs[a] = algs.get(a, 0) + count
+        nbytes += x * count
+        if kind == "v" and v_first:
+            joint = spec.attn[i // per_layer][1]
+            s = img + (txt if joint else 0)
+            b = batch * (2 if spec.cfg and not cfg_parallel else 1)
+            if compute_layer_s is None:
+                comp = b * layer_flops(spec, s, s / (ulysses * ring)) / (tflops * 1e12)
+            else:
+                comp = compute_layer_s
+            D = spec.heads * spec.head_dim
+            window = comp * 4 * D / (24 * D + 4 * s)  # Q/K projections' share of the block
+            hidden += min(t, window) * count
+        total += t * count
+    ring_bytes, ring_attn = [], []
+    if ring > 1:  # K/V blocks passed R-1 times per layer, overlapped with the attention blocks
+        b = batch * (2 if spec.cfg and not cfg_parallel else 1)
+        D = math.ceil(spec.heads / ulysses) * spec.head_dim
+        for count, joint in spec.attn:
+            s = img + (txt if joint else 0)
+            ring_bytes.append((count, (ring - 1) * 2 * b * s / ring * D * spec.dtype_bytes))
+            ring_attn.append(4 * b * (s / ring) * s * D / (tflops * 1e12))  # this rank's attention
+    return {"comm_s": total - hidden, "v_hidden_s": hidden, "ring": list(zip(ring_bytes, ring_attn)),
+            "bytes": nbytes,
+            "exchanges": sum(n for _, _, n in msgs), "algorithms": algs}
+
+
+def e2e_samples(path: Path, c: Coeffs) -> List[Tuple[Sample, float]]:
+    d = json.loads(Path(path).read_text())
+    spec = MODELS.get(d["model"])
+    if spec is None:
+        return []
+    cl = Cluster.from_fabric(_e2e_fabric(d))
+    stock = next(x for x in d["configs"] if x["name"] == "stock")
+    compute_layer = (stock["step_s"] - stock["comm_exposed_s"]) / spec.layers
+    out = []
+    for cfg in d["configs"]:
+        name = cfg["name"]
+        p = predict_step(spec, cl, c, size=d["size"], ulysses=d["ulysses_degree"], steps=d["steps"],
+                         algorithm="flat" if name == "stock" else "best", v_first="vfirst" in name,
+                         v_major=(cfg.get("v_major_active_fraction") or V_MAJOR_ACTIVE) if "vmajor" in name else None,
+                         compute_layer_s=compute_layer)
+        if abs(p["bytes"] - cfg["bytes_per_step"]) > 0.01 * cfg["bytes_per_step"]:
+            raise ValueError(f"{path}: model {spec.name} gives {p['bytes']:.0f} bytes per step, "
+                             f"the run measured {cfg['bytes_per_step']:.0f}")
+        s = Sample(cl, name, 0.0, cfg["comm_exposed_s"], f"e2e/{d['model']}-{d['fabric']}",
+                   f"{d['model']} {d['fabric']} {name} (exposed comm per step)")
+        out.append((s, p["comm_s"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------- validate
+def validate(results: Path = RESULTS_DIR) -> dict:
+    results = Path(results)
+    reps = _a2a_reports(sorted(results.glob("a2a-*-*x*.json")))
+    e2e = sorted(results.glob("e2e-*.json"))
+    if not reps:
+        raise ValueError(f"no a2a results (a2a-<fabric>-<shape>.json) in {results}")
+    by_fabric: Dict[str, List[Sample]] = {}
+    for r in reps:
+        by_fabric.setdefault(r["fabric"], []).extend(a2a_samples(r))
+    rows = []
+    for fabric, samples in by_fabric.items():
+        train = [s for f, ss in by_fabric.items() if f != fabric for s in ss]
+        c = fit(train)
+        for s in samples + [f for r in reps if r["fabric"] == fabric for f in a2a_samples(r, floor=True)]:
+            pred = s.cluster.best(s.x, c)[1] if s.algorithm == "best" else s.cluster.time(s.algorithm, s.x, c)
+            rows.append((s, pred))
+    c_all = fit([s for ss in by_fabric.values() for s in ss])
+    for p in e2e:
+        rows += e2e_samples(p, c_all)
+    points = [{"group": s.group, "point": s.label, "measured_s": s.measured, "predicted_s": pr,
+               "rel_error": pr / s.measured - 1} for s, pr in rows]
+    groups: Dict[str, List[float]] = {}
+    for p in points:
+        groups.setdefault(p["group"], []).append(abs(p["rel_error"]))
+    med = statistics.median(abs(p["rel_error"]) for p in points)
+    return {
+        "method": ("leave-one-fabric-out: a2a points of a fabric are predicted from its line rates with "
+                   "efficiency and host coefficients fitted on the other fabrics' a2a points; e2e points "
+                   "with coefficients fitted on all a2a points and the run's stock compute time for V-First"),
+        "median_abs_rel_error": med, "target": TARGET_MEDIAN, "met": med <= TARGET_MEDIAN,
+        "points": len(points),
+        "groups": {g: {"points": len(v), "median_abs_rel_error": statistics.median(v)} for g, v in sorted(groups.items())},
+        "coefficients_all_a2a": {k: v for k, v in vars(c_all).items() if k != "source"},
+        "per_point": points,
+    }
+
+
+# ---------------------------------------------------------------------------------- plan
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int] = None, frames: int = 1,
+         batch: int = 1, steps: int = 50, calibrate: Optional[Path] = None, tflops: Optional[float] = None,
+         pad_heads: bool = True) -> dict:
+    spec = MODELS.get(model)
+    if spec is None:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(sorted(MODELS))}")
+    if size <= 0 or size % spec.pixels_per_token or batch < 1 or frames < 1 or nodes < 1 or steps < 1:
+        raise ValueError(f"--size must be a positive multiple of {spec.pixels_per_token}; --batch, --frames, "
+                         "--nodes, --steps positive")
+    if cluster in FABRICS:
+        full = Cluster.from_fabric(Fabric(cluster, nodes, local or 2))
+        c = fit([s for r in _a2a_reports(sorted(RESULTS_DIR.glob("a2a-*-*x*.json"))) for s in a2a_samples(r)])
+        c.source = "fitted on the shipped a2a results (emulated fabric, 2-core host)"
+    else:
+        from cocodiff_xfuser.comm.topology import CONFIG_DIR, Topology  # light: no torch
+
+        known = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
+        if cluster not in known and not Path(cluster).is_file():
+            raise ValueError(f"unknown cluster {cluster!r}; emulated fabrics: {', '.join(FABRICS)}; "
+                             f"topology presets: {', '.join(known)}")
+        world = None
+        for w in range(nodes, nodes * 1024 + 1, nodes):  # find the preset's ranks per node
+            try:
+                t = Topology.from_preset(cluster, w)
+            except (OSError, KeyError) as e:
+                raise ValueError(f"unknown cluster {cluster!r}: not an emulated fabric ({', '.join(FABRICS)}) "
+                                 f"nor a topology preset ({e})") from None
+            except ValueError:
+                continue
+            if len(t.levels) == 1 or t.levels[0].size == nodes:
+                world = w
+                break
+        if world is None:
+            raise ValueError(f"cannot size preset {cluster!r} for {nodes} nodes")
+        full = Cluster.from_preset(cluster, world)
+        c = Coeffs()
+    if calibrate is not None:
+        c, fitted = calibrate_file(Path(calibrate))
+        if fitted is not None:
+            full = fitted
+    W = full.world
+    tf = tflops or TFLOPS.get(cluster, DEFAULT_TFLOPS)
+    img, txt = spec.tokens(size, frames)
+    rows = []
+    for C in ([1, 2] if spec.cfg and batch >= 1 else [1]):
+        for U in _divisors(W // C):
+            R = W // C // U
+            if spec.heads % U and not pad_heads:
+                continue
+            try:
+                group = full.subgroup(U)
+            except ValueError:
+                continue
+            kw = dict(size=size, frames=frames, batch=batch, ulysses=U, ring=R, cfg_parallel=C == 2,
+                      steps=steps, tflops=tf)
+            stock = predict_step(spec, group, c, algorithm="flat", **kw)
+            tapa = predict_step(spec, group, c, **kw)
+            vfirst = predict_step(spec, group, c, v_first=U > 1, **kw)
+            coco = vfirst if vfirst["comm_s"] < tapa["comm_s"] else tapa
+            ring_cl = full.subgroup(U * R) if R > 1 else None
+            ring_s = 0.0
+            if ring_cl is not None and ring_cl.levels:  # ring neighbours sit U ranks apart
+                lv = ring_cl.levels[0]  # the slowest level the ring's span crosses
+                for (count, nb), attn in coco["ring"]:  # exposed: what the attention does not cover
+                    ring_s += count * max(0.0, (nb / lv.Bps if lv.Bps else 0.0) + lv.latency_s * (R - 1) - attn)
+            b = batch * (2 if spec.cfg and C == 1 else 1)
+            pad = math.ceil(spec.heads / U) * U / spec.heads
+            compute = steps * b * sum(n * layer_flops(spec, img + (txt if j else 0), (img + (txt if j else 0)) / (U * R))
+                                      for n, j in spec.attn) * pad / (tf * 1e12) / steps
+            rows.append({
+                "ulysses": U, "ring": R, "cfg": C, "head_padding": pad, "pad_bytes_overhead": pad - 1,
+                "bytes_per_step": coco["bytes"], "stock_comm_s": stock["comm_s"] + ring_s,
+                "tapa_comm_s": tapa["comm_s"] + ring_s, "cocodiff_comm_s": coco["comm_s"] + ring_s,
+                "v_first": coco is vfirst and U > 1, "v_hidden_s": coco["v_hidden_s"], "ring_s": ring_s, "algorithms": coco["algorithms"],
+                "compute_s": compute, "step_s": compute + coco["comm_s"] + ring_s,
+                "stock_step_s": compute + stock["comm_s"] + ring_s,
+            })
+    if not rows:
+        raise ValueError(f"no ulysses x ring x cfg factorization of {W} ranks fits {spec.name}")
+    rows.sort(key=lambda r: r["step_s"])
+    best = rows[0]
+    slow = full.subgroup(best["ulysses"])
+    flags = ["--ulysses_degree", str(best["ulysses"]), "--ring_degree", str(best["ring"])]
+    if best["cfg"] == 2:
+        flags.append("--use_cfg_parallel")
+    flags += ["--sp-backend", "cocodiff"]
+    if best["v_first"]:
+        flags.append("--cocodiff-v-first")
+    vmaj = None
+    if len(slow.levels) > 1 and slow.levels[0].name == "node":
+        kw = dict(size=size, frames=frames, batch=batch, ulysses=best["ulysses"], ring=best["ring"],
+                  cfg_parallel=best["cfg"] == 2, steps=steps, tflops=tf, v_first=True)
+        vm = predict_step(spec, slow, c, v_major=V_MAJOR_ACTIVE, **kw)
+        if vm["comm_s"] < 0.8 * best["cocodiff_comm_s"]:
+            vmaj = {"comm_s": vm["comm_s"] + best["ring_s"], "flag": "--cocodiff-v-major on",
+                    "note": "lossy: 40.5 dB PSNR vs stock on digits-flux at the defaults; judge on your model"}
+    return {"model": spec.name, "model_source": spec.source, "size": size, "frames": frames, "batch": batch,
+            "steps": steps, "cluster": cluster, "nodes": nodes, "world": W, "levels": full.describe(),
+            "tokens": {"image": img, "text": txt}, "coefficients": c.source,
+            "compute_estimate": f"FLOPs at {tf:g} TFLOP/s per rank (assumed)", "ranked": rows,
+            "recommended": {"flags": " ".join(flags), **{k: best[k] for k in ("ulysses", "ring", "cfg")}},
+            "v_major": vmaj}
+
+
+# ---------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), help="the model to plan for")
+    p.add_argument("--size", type=int, default=1024, help="image height and width, pixels")
+    p.add_argument("--frames", type=int, default=1, help="video frames (wan)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--cluster", default="dgx-h100", help="topology preset (configs/*.yaml) or emulated fabric")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--local", type=int, default=None, help="ranks per node (emulated fabrics only)")
+    p.add_argument("--calibrate", type=Path, default=None, help="a `cocodiff bench a2a` JSON to fit the model on")
+    p.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s per rank for the compute estimate")
+    p.add_argument("--no-pad-heads", action="store_true", help="only Ulysses degrees that divide the heads")
+    p.add_argument("--validate", action="store_true", help="compare predictions with docs/results")
+    p.add_argument("--results", type=Path, default=RESULTS_DIR)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if args.validate:
+        rep = validate(args.results)
+        if args.json:
+            print(json.dumps(rep, indent=1))
+            return 0
+        for p in rep["per_point"]:
+            print(f"{p['point']:58s} measured {p['measured_s'] * 1e3:8.1f} ms  predicted "
+                  f"{p['predicted_s'] * 1e3:8.1f} ms  {p['rel_error']:+6.1%}")
+        print(f"\n{rep['method']}")
+        for g, v in rep["groups"].items():
+            print(f"  {g:36s} {v['points']:3d} points  median |error| {v['median_abs_rel_error']:.3f}")
+        print(f"median_abs_rel_error {rep['median_abs_rel_error']:.3f} over {rep['points']} points "
+              f"(target <= {TARGET_MEDIAN}: {'met' if rep['met'] else 'NOT met'})")
+        return 0
+    if not args.model:
+        raise ValueError("--model is required (or --validate)")
+    rep = plan(args.model, args.size, cluster=args.cluster, nodes=args.nodes, local=args.local, frames=args.frames,
+               batch=args.batch, steps=args.steps, calibrate=args.calibrate, tflops=args.tflops,
+               pad_heads=not args.no_pad_heads)
+    if args.json:
+        print(json.dumps(rep, indent=1))
+        return 0
+    print(f"{rep['model']} {rep['size']}px x{rep['frames']} batch {rep['batch']}: {rep['tokens']['image']} image + "
+          f"{rep['tokens']['text']} text tokens; {rep['cluster']} x{rep['nodes']} = {rep['world']} ranks ({rep['levels']})")
+    print(f"links: {rep['coefficients']}; compute: {rep['compute_estimate']}")
+    print(f"{'U':>3} {'R':>3} {'cfg':>3} {'pad':>6} {'MiB/step':>9} {'stock ms':>9} {'tapa ms':>8} {'cocodiff ms':>11} "
+          f"{'V hidden':>8} {'ring ms':>7} {'compute':>8} {'step ms':>8}")
+    for r in rep["ranked"]:
+        print(f"{r['ulysses']:3d} {r['ring']:3d} {r['cfg']:3d} {r['pad_bytes_overhead']:+6.1%} "
+              f"{r['bytes_per_step'] / 2**20:9.1f} {r['stock_comm_s'] * 1e3:9.2f} {r['tapa_comm_s'] * 1e3:8.2f} "
+              f"{r['cocodiff_comm_s'] * 1e3:11.2f} {r['v_hidden_s'] * 1e3:8.2f} {r['ring_s'] * 1e3:7.2f} "
+              f"{r['compute_s'] * 1e3:8.2f} {r['step_s'] * 1e3:8.2f}")
+    print(f"recommended: {rep['recommended']['flags']}")
+    if rep["v_major"]:
+        print(f"optional, lossy: add {rep['v_major']['flag']} (comm {rep['v_major']['comm_s'] * 1e3:.2f} ms/step; "
+              f"{rep['v_major']['note']})")
+    return 0

@@ -1,0 +1,119 @@
+"""Any head and token count under the cocodiff backend (:mod:`cocodiff_xfuser.padding`), wired in.
+
+Heads: a model whose head count the Ulysses degree does not divide runs with cocodiff's
+processors, which pad the exchanged heads (stock ``USP`` asserts divisibility). Tokens (FLUX):
+the transformer wrapper pads the text and image streams to the degree and trims the image
+afterwards, where xfuser 0.7.0 would keep the text whole on every rank (so each rank attends to
+it once per rank) and attend to zero image padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+from cocodiff_xfuser import backend, padding
+from cocodiff_xfuser.xfuser import compat
+
+logger = logging.getLogger("cocodiff_xfuser")
+_logged: set[padding.Streams] = set()
+
+
+def uneven_heads(transformers, world: int) -> str | None:
+    """``"38 attention heads over ulysses degree 4"`` when the degree does not divide a model's heads."""
+    for transformer in transformers:
+        heads = getattr(getattr(transformer, "config", None), "num_attention_heads", None)
+        if isinstance(heads, int) and world > 1 and heads % world:
+            return f"{heads} attention heads over ulysses degree {world}"
+    return None
+
+
+def patch_runtime_state(rs: types.ModuleType) -> None:
+    """xfuser refuses head counts the Ulysses degree does not divide before the model runs; with
+    the backend active (it activates earlier, in ``_check_distributed_env``) they are padded."""
+    cls = compat.target(rs, "DiTRuntimeState")
+
+    def make(original):
+        def _check_model_and_parallel_config(self, pipeline, parallel_config):
+            if backend.active() is None:
+                return original(self, pipeline, parallel_config)
+            return None
+
+        return _check_model_and_parallel_config
+
+    compat.wrap(cls, "_check_model_and_parallel_config", make)
+    compat.wrap(cls, "_calc_patches_metadata", _rounding_height)
+
+
+def mark_padded_tokens(transformers) -> None:
+    """After a model loads: a FLUX transformer wrapper pads its own tokens (below)."""
+    from xfuser.core.distributed import get_runtime_state
+
+    from xfuser.model_executor.models.transformers.transformer_flux import xFuserFlux1Transformer2DWrapper
+
+    get_runtime_state()._cocodiff_pads_tokens = any(isinstance(t, xFuserFlux1Transformer2DWrapper) for t in transformers)
+
+
+def _rounding_height(original):
+    """xfuser computes PipeFusion's patch metadata on every input size and refuses latent heights the
+    SP degree does not divide. Without PipeFusion, a model that pads its own tokens reads none of
+    it: it is computed for the height rounded up, so that xfuser's check passes."""
+
+    def _calc_patches_metadata(self):
+        if not getattr(self, "_cocodiff_pads_tokens", False) or backend.active() is None or self.parallel_config.pp_degree > 1:
+            return original(self)
+        from xfuser.core.distributed import get_sequence_parallel_world_size
+
+        height = self.input_config.height
+        step = self.vae_scale_factor * self.backbone_patch_size * get_sequence_parallel_world_size()
+        self.input_config.height = -(-height // step) * step
+        try:
+            return original(self)
+        finally:
+            self.input_config.height = height
+
+    return _calc_patches_metadata
+
+
+def patch_transformer_flux(module: types.ModuleType) -> None:
+    cls = compat.target(module, "xFuserFlux1Transformer2DWrapper")
+    compat.wrap(cls, "forward", _padding_forward)
+
+
+def _padding_forward(original):
+    def forward(self, hidden_states, encoder_hidden_states=None, *args, img_ids=None, txt_ids=None, **kwargs):
+        active = backend.active()
+        layout = None
+        if active is not None and encoder_hidden_states is not None:
+            from xfuser.core.distributed import get_ring_parallel_world_size, get_sequence_parallel_world_size
+
+            layout = padding.streams((encoder_hidden_states.shape[1], hidden_states.shape[1]), get_sequence_parallel_world_size())
+            if layout is not None and get_ring_parallel_world_size() > 1:
+                raise ValueError(
+                    f"cocodiff: {encoder_hidden_states.shape[1]} text and {hidden_states.shape[1]} image tokens are not "
+                    f"divisible by the SP degree {layout.world}; padding them is supported with Ulysses alone "
+                    f"(ring degree 1): choose a resolution and text length divisible by {layout.world}"
+                )
+        if layout is None:
+            return original(self, hidden_states, encoder_hidden_states, *args, img_ids=img_ids, txt_ids=txt_ids, **kwargs)
+        (text, text_to), (image, image_to) = layout.lengths
+        if layout not in _logged:
+            _logged.add(layout)
+            logger.info("cocodiff: %d text and %d image tokens padded to %d and %d for ulysses degree %d",
+                        text, image, text_to, image_to, layout.world)
+        if not self.__dict__.get("_cocodiff_padding"):  # V-First may be off: padding needs cocodiff's processors
+            from cocodiff_xfuser import processors
+
+            processors.install(self)
+            self._cocodiff_padding = True
+        encoder_hidden_states = padding.pad_tokens(encoder_hidden_states, text_to, 1)
+        hidden_states = padding.pad_tokens(hidden_states, image_to, 1)
+        txt_ids = padding.pad_tokens(txt_ids, text_to, txt_ids.ndim - 2)
+        img_ids = padding.pad_tokens(img_ids, image_to, img_ids.ndim - 2)
+        with padding.tokens(layout):
+            output = original(self, hidden_states, encoder_hidden_states, *args, img_ids=img_ids, txt_ids=txt_ids, **kwargs)
+        if isinstance(output, tuple):
+            return (output[0][:, :image], *output[1:])
+        return output.__class__(output[0][:, :image], *output[1:])
+
+    return forward

@@ -1,0 +1,141 @@
+"""`cocodiff plan`: the cost model's byte accounting, its validation on the shipped results, the
+planner's recommendation and its errors (no torch, no processes: fast)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cocodiff_xfuser.tools import cli, plan
+from cocodiff_xfuser.tools.fabric import Fabric
+
+MiB = 2**20
+
+
+def _two_level(nodes: int, local: int) -> plan.Cluster:
+    return plan.Cluster([plan.LinkLevel("node", nodes, 1e9), plan.LinkLevel("gpu", local, 1e10)])
+
+
+def test_flat_and_tapa_link_times_2x2_by_hand():
+    cl, x = _two_level(2, 2), 8 * MiB
+    # flat: half of a rank's data leaves the node (1 GB/s), a quarter goes to the node-mate (10 GB/s)
+    assert cl.flat_link(x) == pytest.approx(max(x / 2 / 1e9, x / 4 / 1e10))
+    # TAPA: inner phase x/2 over the fast level, then x/2 over the slow one, one after the other
+    assert cl.phases(x) == pytest.approx([x / 2 / 1e10, x / 2 / 1e9])
+    ideal = plan.Coeffs()
+    assert cl.time("hierarchical", x, ideal) == pytest.approx(x / 2 / 1e10 + x / 2 / 1e9)
+    assert cl.time("flat", x, ideal) == pytest.approx(x / 2 / 1e9)
+    # pipelined in 2 parts: the shorter phase overlaps half
+    assert cl.time("hierarchical_x2", x, ideal) == pytest.approx(x / 2 / 1e9 + x / 2 / 1e10 / 2)
+
+
+def test_flat_and_tapa_link_times_2x4_by_hand():
+    cl, x = _two_level(2, 4), 8 * MiB
+    assert cl.flat_link(x) == pytest.approx(max(x / 2 / 1e9, x * 3 / 8 / 1e10))
+    assert cl.phases(x) == pytest.approx([x * 3 / 4 / 1e10, x / 2 / 1e9])
+    # latency: one per phase for TAPA, the slowest crossed level's for flat
+    lat = plan.Cluster([plan.LinkLevel("node", 2, 1e9, 5e-6), plan.LinkLevel("gpu", 4, 1e10, 2e-6)])
+    assert lat.time("flat", x, plan.Coeffs()) == pytest.approx(x / 2 / 1e9 + 5e-6)
+    assert lat.time("hierarchical", x, plan.Coeffs()) == pytest.approx(x * 3 / 4 / 1e10 + x / 2 / 1e9 + 7e-6)
+
+
+def test_emulated_rail_flat_crosses_the_spine_tapa_does_not():
+    fab = Fabric("rail", 2, 2)
+    cl, x = plan.Cluster.from_fabric(fab), 16 * MiB
+    assert cl.flat_link(x) == pytest.approx(fab.bound_s("flat", x))  # spine-bound: 2x the rails
+    assert sum(cl.phases(x)) == pytest.approx(fab.bound_s("all_to_all", x))
+    assert cl.flat_link(x) == pytest.approx(2 * sum(cl.phases(x)))
+
+
+def test_step_bytes_match_the_shipped_e2e_runs():
+    # digits-flux 64 px: 6 layers x (QKV + out) of 8 heads x 16, 256 + 16 tokens, fp32, 4 ranks
+    msgs = plan.step_messages(plan.MODELS["digits-flux"], 64, ulysses=4)
+    assert sum(b * n for _, b, n in msgs) == 835584
+    assert sum(n for _, _, n in msgs) == 12
+    # tiny-sd3 128 px, CFG batch 2: 2 image-only + 3 joint attentions, Q, K, V and out sent apart
+    msgs = plan.step_messages(plan.MODELS["tiny-sd3"], 128, ulysses=4)
+    assert sum(b * n for _, b, n in msgs) == 5341184
+    assert sum(n for _, _, n in msgs) == 20
+    assert sum(n for _, _, n in plan.step_messages(plan.MODELS["tiny-sd3"], 128, ulysses=4, v_first=True)) == 15
+
+
+def test_fit_recovers_known_coefficients():
+    truth = plan.Coeffs(1.2, 0.1, 0.003, 2e-9, 2.0)
+    samples = []
+    for preset in ("rail", "shared-uplink"):
+        for nodes, local in ((2, 2), (2, 4), (4, 2)):
+            cl = plan.Cluster.from_fabric(Fabric(preset, nodes, local))
+            for mib in (0.25, 0.5, 1, 4, 16):
+                for a in ("flat", "hierarchical"):
+                    samples.append(plan.Sample(cl, a, mib * MiB, cl.time(a, mib * MiB, truth)))
+    got = plan.fit(samples)
+    for k in ("e0", "e1", "h_phase", "h_byte"):
+        assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=0.02), k
+
+
+def test_validate_on_the_shipped_results_meets_the_target(capsys):
+    rep = plan.validate()
+    assert rep["points"] >= 190
+    assert rep["median_abs_rel_error"] <= 0.15
+    assert "leave-one-fabric-out" in rep["method"]
+    assert {"a2a/rail/flat", "a2a/rail/hierarchical", "a2a/rail/chosen", "e2e/tiny-flux-rail"} <= set(rep["groups"])
+    assert cli.main(["plan", "--validate", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["points"] == rep["points"] and out["median_abs_rel_error"] == pytest.approx(rep["median_abs_rel_error"])
+
+
+def test_sd35_on_two_dgx_h100_nodes_lists_padded_ulysses():
+    rep = plan.plan("sd3.5-large", 1024, cluster="dgx-h100", nodes=2)
+    assert rep["world"] == 16
+    by = {(r["ulysses"], r["ring"], r["cfg"]): r for r in rep["ranked"]}
+    padded = by[(16, 1, 1)]  # 38 heads on 16 ranks: padded to 48
+    assert padded["head_padding"] == pytest.approx(48 / 38)
+    assert padded["bytes_per_step"] == pytest.approx(by[(2, 8, 1)]["bytes_per_step"] * 48 / 38)
+    assert by[(8, 1, 2)]["pad_bytes_overhead"] == pytest.approx(40 / 38 - 1)
+    assert "--sp-backend cocodiff" in rep["recommended"]["flags"]
+    assert "--ulysses_degree" in rep["recommended"]["flags"]
+    assert all(r["ulysses"] * r["ring"] * r["cfg"] == 16 for r in rep["ranked"])
+    # without padding only divisors of 38 remain
+    rep = plan.plan("sd3.5-large", 1024, cluster="dgx-h100", nodes=2, pad_heads=False)
+    assert all(38 % r["ulysses"] == 0 for r in rep["ranked"])
+
+
+def test_plan_cli_prints_a_table(capsys):
+    assert cli.main(["plan", "--model", "flux-dev", "--size", "1024", "--cluster", "dgx-h100", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: --ulysses_degree" in out and "dgx-h100 x2 = 16 ranks" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--model", "flux-dev", "--cluster", "no-such-cluster"],
+    ["plan", "--model", "flux-dev", "--size", "1000"],
+    ["plan", "--model", "flux-dev", "--nodes", "0"],
+    ["plan"],
+])
+def test_bad_input_is_one_line_and_exit_2(argv, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cocodiff plan: ") and "\n" not in err
+
+
+def test_bad_inputs_raise_value_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown model"):
+        plan.plan("no-model", 1024, cluster="dgx-h100", nodes=2)
+    with pytest.raises(ValueError, match="no a2a results"):
+        plan.validate(tmp_path)
+    bad = tmp_path / "a2a.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        plan.calibrate_file(bad)
+
+
+def test_calibrate_a_real_cluster_json_fits_the_node_level(tmp_path):
+    d = json.loads((plan.RESULTS_DIR / "a2a-rail-2x4.json").read_text())
+    d["fabric"] = None  # as `python -m ...bench.a2a` writes it on a real cluster: levels only
+    f = tmp_path / "a2a.json"
+    f.write_text(json.dumps(d))
+    c, cl = plan.calibrate_file(f)
+    node = cl.levels[0]
+    assert node.name == "node" and 0.75 * 125e6 < node.Bps <= 1.0 * 125e6  # 1 Gbit/s rails
+    assert c.flat_factor > 2  # stock flat crosses the oversubscribed spine
