@@ -1,9 +1,9 @@
 """Any head and token count under Ulysses: pad to the degree, keep attention exact, trim.
 
 Stock Ulysses needs the attention heads and the sequence each divisible by the Ulysses degree
-``W`` (SD3.5-large has 38 heads, Z-Image 30: neither splits over 4, 8 or 12 ranks, and an Aurora
-node has 12 tiles). cache-dit's "Ulysses Anything" pads and unpads; this is the same idea for
-xfuser, kept exact:
+``W`` (SD3.5-large has 38 heads: it splits over neither 4, 8 nor 12 ranks, and an Aurora node has
+12 tiles). cache-dit's "Ulysses Anything" pads and unpads; this is the same idea for xfuser, kept
+exact:
 
 * **heads**: each exchanged ``[b, h, s, d]`` tensor gets ``ceil(h/W)*W - h`` zero heads before its
   input exchange, and the output exchange's result is cut back to ``h`` heads. Heads are attended
@@ -14,8 +14,9 @@ xfuser, kept exact:
   attends to them, and the image is cut back after the final gather. Padded queries compute
   rows that are dropped.
 
-The padding costs bytes, counted in ``commstats.ran()["padded_bytes"]`` (sent zeros) next to the
-exchanged bytes.
+The padding costs bytes, counted in ``commstats.ran()["padded_bytes"]`` (sent zeros), and a copy
+of K and V per layer when tokens are padded (``copied_bytes``). Which layouts need it is decided
+from shapes and settings alone, the same on every rank.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Streams:
 
 
 _streams: Streams | None = None
+_uneven_heads: str | None = None  # the loaded model's heads over the degree, when they do not divide
 _keep_cache: dict[tuple[Streams, torch.device], torch.Tensor] = {}
 
 
@@ -89,12 +91,28 @@ def tokens_padded() -> bool:
     return _streams is not None
 
 
+def set_uneven_heads(description: str | None) -> None:
+    """Record, when a model loads, whether its heads need padding (``"38 attention heads over ..."``)."""
+    global _uneven_heads
+    _uneven_heads = description
+
+
+def required() -> str | None:
+    """What needs cocodiff's padded exchange right now (heads or tokens), or None: then a layer
+    must not take the stock path, which cannot split them."""
+    if _streams is not None:
+        return f"{_streams.lengths} tokens padded to the degree {_streams.world}"
+    return _uneven_heads
+
+
 def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Head-sharded ``[b, h/W, W*s, d]`` K and V without the padded tokens of the running forward."""
     if _streams is None:
         return key, value
     if key.shape[2] != _streams.world * _streams.local:
-        raise ValueError(
+        from cocodiff_xfuser.xfuser.activation import user_error
+
+        user_error(
             f"cocodiff: padded tokens of a {_streams.world}-way Ulysses forward, but an attention layer sees "
             f"{key.shape[2]} keys instead of {_streams.world * _streams.local}; this model's sequence layout "
             f"is not supported with padding: choose a resolution and text length divisible by the degree"
@@ -102,7 +120,9 @@ def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, tor
     index = _keep_cache.get((_streams, key.device))
     if index is None:
         index = _keep_cache.setdefault((_streams, key.device), _streams.keep(key.device))
-    return key.index_select(2, index), value.index_select(2, index)
+    key, value = key.index_select(2, index), value.index_select(2, index)
+    commstats.count_copy(2 * key.numel() * key.element_size())
+    return key, value
 
 
 def streams(lengths: Sequence[int], world: int) -> Streams | None:

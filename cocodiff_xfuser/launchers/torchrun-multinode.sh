@@ -18,12 +18,19 @@
 # (torchrun --local-addr, unset), TORCHRUN (torchrun), COCODIFF_TOPOLOGY (unset: cocodiff detects the
 # topology from hostnames and LOCAL_WORLD_SIZE = NPROC_PER_NODE; e.g. 4x8 or dgx-h100 to force one).
 #
+# The command may also come as one string, COCODIFF_CMD='xdit ...', when there are no arguments.
 # `--dry-run` as the first argument, or COCODIFF_DRY_RUN=1, prints the command line and exits 0.
 # Where to find this file after `pip install`:
 #     python -c "import cocodiff_xfuser, pathlib; print(pathlib.Path(cocodiff_xfuser.__file__).parent / 'launchers')"
 set -euo pipefail
 
 NAME=torchrun-multinode.sh
+USAGE='SCRIPT [ARGS...] | -m MODULE [ARGS...] | xdit [ARGS...]'
+
+# --- shared: begin ---
+# The same in aurora.pbs, slurm.sbatch and torchrun-multinode.sh: each script stays one self-contained
+# file (a batch system copies the job script alone), and tests/launchers/test_launchers.py checks that
+# the three copies are identical. Set NAME and USAGE before this block.
 
 die() { printf '%s: %s\n' "$NAME" "$*" >&2; exit 2; }
 
@@ -33,54 +40,93 @@ quote() {  # one word as the shell reads it back (quoted only when needed)
 }
 print_line() { local out="" w; for w in "$@"; do out+="${out:+ }$(quote "$w")"; done; printf '%s\n' "$out"; }
 
-# ----------------------------------------------------------------------------- arguments
-DRY=0
-case ${COCODIFF_DRY_RUN:-0} in 1|true|yes) DRY=1 ;; esac
-if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
-if [[ ${1:-} == -- ]]; then shift; fi
-CMD=("$@")
-((${#CMD[@]})) || die "usage: $NAME [--dry-run] [--] SCRIPT [ARGS...] | -m MODULE [ARGS...] | xdit [ARGS...]: no command given"
+ENV_NAMES=()
+setenv() {  # NAME DEFAULT: export NAME (its current value if set and non-empty)
+  local name=$1 value=${!1:-$2}
+  export "$name=$value"
+  ENV_NAMES+=("$name")
+}
 
-TOPOLOGY=${COCODIFF_TOPOLOGY:-}
-X_NNODES="" X_NODE_RANK="" X_MASTER_ADDR="" X_MASTER_PORT="" X_NPROC=""
+# What --dry-run prints: the exported settings (`export NAME=value` lines), then the command line.
+print_plan() {
+  local name
+  for name in "${ENV_NAMES[@]}"; do print_line export "$name=${!name}"; done
+  print_line "$@"
+}
 
-with_cocodiff() {
-  local -a out=()
-  local i=0 a sp=0 topo=0
-  if [[ ${CMD[0]##*/} == xdit ]]; then
-    out=(-m xfuser.runner)
-    i=1
-    while ((i < ${#CMD[@]})); do
-      a=${CMD[i]}
-      case $a in
-        --nnodes) X_NNODES=${CMD[i + 1]:-}; i=$((i + 2)); continue ;;
-        --node_rank) X_NODE_RANK=${CMD[i + 1]:-}; i=$((i + 2)); continue ;;
-        --master_addr) X_MASTER_ADDR=${CMD[i + 1]:-}; i=$((i + 2)); continue ;;
-        --master_port) X_MASTER_PORT=${CMD[i + 1]:-}; i=$((i + 2)); continue ;;
-        --nproc_per_node) X_NPROC=${CMD[i + 1]:-}; i=$((i + 2)); continue ;;
-        --nnodes=*) X_NNODES=${a#*=} ;;
-        --node_rank=*) X_NODE_RANK=${a#*=} ;;
-        --master_addr=*) X_MASTER_ADDR=${a#*=} ;;
-        --master_port=*) X_MASTER_PORT=${a#*=} ;;
-        --nproc_per_node=*) X_NPROC=${a#*=} ;;
-        *) out+=("$a") ;;
-      esac
-      i=$((i + 1))
-    done
-  else
-    out=("${CMD[@]}")
+# ARGS: [--dry-run] [--] COMMAND [ARGS...], or COCODIFF_CMD (the command as one string of shell words:
+# qsub passes no arguments to a job script). Sets DRY (also on with COCODIFF_DRY_RUN=1) and CMD.
+parse_args() {
+  DRY=0
+  case ${COCODIFF_DRY_RUN:-0} in 1|true|yes) DRY=1 ;; esac
+  if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
+  if [[ ${1:-} == -- ]]; then shift; fi
+  CMD=("$@")
+  if ((${#CMD[@]} == 0)) && [[ -n ${COCODIFF_CMD:-} ]]; then
+    eval "CMD=($COCODIFF_CMD)"
   fi
-  for a in "${out[@]}"; do
-    case $a in
-      --sp-backend|--sp_backend|--sp-backend=*|--sp_backend=*) sp=1 ;;
-      --cocodiff_topology|--cocodiff-topology|--cocodiff_topology=*|--cocodiff-topology=*) topo=1 ;;
+  ((${#CMD[@]})) || die "usage: $NAME [--dry-run] [--] $USAGE (or COCODIFF_CMD='COMMAND ARGS'): no command given"
+}
+
+has_option() {  # OPTION...: whether CMD has one of them (as `OPTION` or `OPTION=VALUE`)
+  local a o
+  for a in "${CMD[@]}"; do
+    for o in "$@"; do [[ $a == "$o" || $a == "$o"=* ]] && return 0; done
+  done
+  return 1
+}
+
+option_value() {  # OPTION: its value in CMD (`OPTION VALUE` or `OPTION=VALUE`, the last wins), or ""
+  local i value=""
+  for ((i = 0; i < ${#CMD[@]}; i++)); do
+    case ${CMD[i]} in
+      "$1") value=${CMD[i + 1]:-} ;;
+      "$1"=*) value=${CMD[i]#*=} ;;
     esac
   done
-  ((sp)) || out+=(--sp-backend cocodiff)
-  ((topo)) || [[ -z $TOPOLOGY ]] || out+=(--cocodiff_topology "$TOPOLOGY")
-  CMD=("${out[@]}")
+  printf '%s\n' "$value"
 }
-with_cocodiff
+
+# with_cocodiff TOPOLOGY RUNNER...: CMD with `--sp-backend cocodiff` and `--cocodiff_topology TOPOLOGY`
+# added unless the command has them (TOPOLOGY empty: none added, cocodiff detects the topology).
+# `xdit ARGS` runs `torchrun ... -m xfuser.runner ARGS` (xfuser/cli.py): it becomes `RUNNER... ARGS`
+# without xdit's torchrun options (--nnodes, --node_rank, --master_addr, --master_port,
+# --nproc_per_node), which the launch provides.
+XDIT_LAUNCH_OPTIONS=(--nnodes --node_rank --master_addr --master_port --nproc_per_node)
+with_cocodiff() {
+  local topology=$1 i=0 a o
+  shift
+  local -a out=()
+  if [[ ${CMD[0]##*/} == xdit ]]; then
+    out=("$@")
+    for ((i = 1; i < ${#CMD[@]}; i++)); do
+      a=${CMD[i]}
+      for o in "${XDIT_LAUNCH_OPTIONS[@]}"; do
+        if [[ $a == "$o" ]]; then i=$((i + 1)); continue 2; fi
+        if [[ $a == "$o"=* ]]; then continue 2; fi
+      done
+      out+=("$a")
+    done
+    CMD=("${out[@]}")
+  fi
+  has_option --sp-backend --sp_backend || CMD+=(--sp-backend cocodiff)
+  has_option --cocodiff_topology --cocodiff-topology || [[ -z $topology ]] || CMD+=(--cocodiff_topology "$topology")
+}
+# --- shared: end ---
+
+# ----------------------------------------------------------------------------- arguments
+parse_args "$@"
+# xdit's own torchrun options are the values below.
+X_NNODES="" X_NODE_RANK="" X_MASTER_ADDR="" X_MASTER_PORT="" X_NPROC=""
+if [[ ${CMD[0]##*/} == xdit ]]; then
+  X_NNODES=$(option_value --nnodes)
+  X_NODE_RANK=$(option_value --node_rank)
+  X_MASTER_ADDR=$(option_value --master_addr)
+  X_MASTER_PORT=$(option_value --master_port)
+  X_NPROC=$(option_value --nproc_per_node)
+fi
+# torchrun runs `-m xfuser.runner` in each worker; the topology is detected unless COCODIFF_TOPOLOGY.
+with_cocodiff "${COCODIFF_TOPOLOGY:-}" -m xfuser.runner
 
 # The world size the command's parallel degrees ask for (xfuser/cli.py get_nproc_from_args), or "".
 degrees_product() {
@@ -132,7 +178,7 @@ LAUNCH=("${TORCHRUN_CMD[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc
 LAUNCH+=("${CMD[@]}")
 
 if ((DRY)); then
-  print_line "${LAUNCH[@]}"
+  print_plan "${LAUNCH[@]}"
   exit 0
 fi
 exec "${LAUNCH[@]}"

@@ -58,6 +58,19 @@ def unsupported_reason(transformer: torch.nn.Module) -> str | None:
     return None
 
 
+def stock_usp(transformer: torch.nn.Module) -> set[str]:
+    """Stock processors left in ``transformer`` (not ours, not unused) whose module calls ``USP``:
+    what cannot carry padded heads."""
+    ours = tuple(replacements().values())
+    unused = _unused_processors(transformer)
+    return {
+        type(m.processor).__name__
+        for m in transformer.modules()
+        if getattr(m, "processor", None) is not None and id(m) not in unused and not isinstance(m.processor, ours)
+        and getattr(sys.modules.get(type(m.processor).__module__), "USP", None) is not None
+    }
+
+
 def _unused_processors(transformer: torch.nn.Module) -> set[int]:
     """Modules wrapped by an xfuser layer wrapper: the wrapper's processor runs, theirs never does."""
     from xfuser.model_executor.layers.base_layer import xFuserLayerBaseWrapper

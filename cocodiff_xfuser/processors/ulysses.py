@@ -5,7 +5,9 @@ V-First processor instead starts V's exchange as soon as V is projected
 (:func:`start_input_exchange`), computes Q/K while it is in flight, and hands everything to
 :func:`attention`, which exchanges Q and K, waits for V and runs the same attention function,
 ring merge and output exchange as ``USP``. The exchanges move the same bytes to the same
-places, so the output is bitwise that of stock Ulysses.
+places, so the output is bitwise that of stock Ulysses. Head and token counts that the Ulysses
+degree does not divide, which stock refuses (or, for FLUX text, attends once per rank), are padded
+here (:mod:`cocodiff_xfuser.padding`): attention stays exact, the bits are no longer stock's.
 """
 
 from __future__ import annotations
@@ -224,8 +226,11 @@ def _counted(reason: str | None) -> str | None:
     if reason is None:
         commstats.count_v_first_call()
         return None
-    if padding.tokens_padded():
-        raise ValueError(f"cocodiff: padded tokens need cocodiff's processors, but {reason} sends this layer to stock")
+    needed = padding.required()
+    if needed is not None:  # stock cannot split these: one clear line, not stock's assertion
+        from cocodiff_xfuser.xfuser.activation import user_error
+
+        user_error(f"cocodiff: {needed} need cocodiff's processors, but {reason} sends a layer to stock")
     commstats.count_fallback(f"v-first: {reason}")
     if reason not in _warned:
         _warned.add(reason)

@@ -28,12 +28,15 @@ One exchange of ``x`` bytes per rank over a group is priced per link level:
   ``R - 1`` times per layer, hidden behind attention compute where it fits.
 
 Validation (``--validate``): every shipped measurement in ``docs/results`` the model can predict
-(a2a: flat, hierarchical and the chosen exchange at every size, fabric and shape; the rail host
-floors; e2e: every configuration's exposed communication per step). Leave-one-fabric-out: the
-four shared coefficients (e0, e1, h_phase, h_byte) are fitted by least squares on the a2a
-measurements of the OTHER fabrics and the fabric's own line rates come from its preset and
-parameters; e2e points use coefficients fitted on all a2a points (no e2e time is ever fitted).
-No point is predicted from its own value.
+(a2a: flat and hierarchical at every size, fabric and shape, and the chosen exchange where it is
+neither, e.g. pipelined ``hierarchical_x2``; the rail host floors; e2e: every configuration's
+exposed communication per step). Leave-one-fabric-out: the four shared coefficients (e0, e1,
+h_phase, h_byte) are fitted by least squares on the a2a measurements of the OTHER fabrics and the
+fabric's own line rates come from its preset and parameters; e2e points use coefficients fitted on
+all a2a points (no e2e time is ever fitted) and take two inputs from measured runs: V-First
+points the compute time from the stock run's measured ``step_s - comm_exposed_s``, V-Major points
+their own run's measured ``v_major_active_fraction`` (a token count share, not a time). No point
+is predicted from its own value.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class ModelSpec:
     cfg: bool = False  # true classifier-free guidance (two transformer passes, batch 2)
     stacked_qkv: bool = True  # xfuser's processor sends Q/K/V as one message (FLUX) or three
     frames_per_token: int = 0  # video: frames per latent frame (0 = image model)
+    flux: bool = False  # FLUX family: uneven text/image tokens only without ring (cocodiff pads them)
     source: str = ""
 
     @property
@@ -88,7 +92,7 @@ class ModelSpec:
 
 
 MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
-    ModelSpec("flux-dev", 24, 128, ((57, True),), 512, 16, source=(
+    ModelSpec("flux-dev", 24, 128, ((57, True),), 512, 16, flux=True, source=(
         "black-forest-labs/FLUX.1-dev transformer/config.json: num_layers 19 + num_single_layers 38, "
         "24 heads x 128; VAE /8, patch 2; max_sequence_length 512; guidance-distilled (no true CFG)")),
     ModelSpec("sd3.5-large", 38, 64, ((38, True),), 333, 16, cfg=True, stacked_qkv=False, source=(
@@ -101,10 +105,11 @@ MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
         "Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json: num_layers 40, 40 heads x 128, patch "
         "(1,2,2), VAE /8 spatial /4 temporal; text enters by cross-attention (not exchanged)")),
     # The project's tiny models (tools/models/tiny.py, digits.py): fp32, 4 pixels per token side.
-    ModelSpec("tiny-flux", 8, 16, ((4, True),), 32, 4, 4, source="tools/models/tiny.py: 2 double + 2 single"),
+    ModelSpec("tiny-flux", 8, 16, ((4, True),), 32, 4, 4, flux=True, source="tools/models/tiny.py: 2 double + 2 single"),
     ModelSpec("tiny-sd3", 8, 16, ((2, False), (3, True)), 32, 4, 4, cfg=True, stacked_qkv=False,
               source="tools/models/tiny.py: 3 joint blocks, 2 with a second image-only attention"),
-    ModelSpec("digits-flux", 8, 16, ((6, True),), 16, 4, 4, source="tools/models/digits.py: 2 double + 4 single"),
+    ModelSpec("digits-flux", 8, 16, ((6, True),), 16, 4, 4, flux=True,
+              source="tools/models/digits.py: 2 double + 4 single"),
 )}
 
 
@@ -170,21 +175,17 @@ class Cluster:
         return self.fabric.nodes if self.fabric else (self.levels[0].size if len(self.levels) > 1 else 1)
 
     @classmethod
-    def from_preset(cls, preset: str, world: int) -> "Cluster":
-        from cocodiff_xfuser.comm.topology import Topology  # light: no torch
+    def from_preset(cls, preset: str, nodes: int) -> "Cluster":
+        """``nodes`` nodes of a topology preset; its schema errors (ValueError) name the file and key."""
+        from cocodiff_xfuser.comm.topology import load_preset  # light: no torch
 
-        try:
-            topo = Topology.from_preset(preset, world)
-        except (OSError, KeyError) as e:
-            raise ValueError(f"unknown cluster preset {preset!r} ({e})") from None
+        p = load_preset(preset)
         levels = []
-        for lv in topo.levels:
-            bw = getattr(lv, "bandwidth_gbps", None)
-            if bw is None:
+        for lv in p.topology(nodes * p.ranks_per_node).levels:
+            if lv.bandwidth_gbps is None:
                 raise ValueError(f"preset {preset!r}: level {lv.name!r} has no bandwidth_gbps; calibrate "
                                  "with --calibrate a2a.json")
-            lat = getattr(lv, "latency_us", None)
-            levels.append(LinkLevel(lv.name, lv.size, bw * 1e9, (lat or 0.0) * 1e-6))
+            levels.append(LinkLevel(lv.name, lv.size, lv.bandwidth_gbps * 1e9, (lv.latency_us or 0.0) * 1e-6))
         return cls(levels, name=preset)
 
     @classmethod
@@ -296,19 +297,19 @@ def fit(samples: Sequence[Sample], cores: float = 2.0, iters: int = 60) -> Coeff
             nph = 1 if a.startswith("flat") or len(cl.levels) < 2 else len(cl.levels) * (int(a.rsplit("_x", 1)[1]) if "_x" in a else 1)
             if lt >= ht:
                 base = lt / (c.e0 + c.e1 * max(0, cl.nodes - 2))
-                link_rows.append(([base / s.measured, base * max(0, cl.nodes - 2) / s.measured], 1.0))
+                link_rows.append([base / s.measured, base * max(0, cl.nodes - 2) / s.measured])
             else:
                 w = cl.world / cores
-                host_rows.append(([w * nph / s.measured, w * s.x / s.measured], 1.0))
+                host_rows.append([w * nph / s.measured, w * s.x / s.measured])
         new_split = (len(link_rows), len(host_rows))
         if len(link_rows) >= 2:
-            A = np.array([r for r, _ in link_rows])
+            A = np.array(link_rows)
             if np.ptp(A[:, 1]) == 0 or not A[:, 1].any():
                 c.e0, c.e1 = float(np.linalg.lstsq(A[:, :1], np.ones(len(A)), rcond=None)[0][0]), 0.0
             else:
                 c.e0, c.e1 = (float(v) for v in np.linalg.lstsq(A, np.ones(len(A)), rcond=None)[0])
         if len(host_rows) >= 2:
-            h = np.linalg.lstsq(np.array([r for r, _ in host_rows]), np.ones(len(host_rows)), rcond=None)[0]
+            h = np.linalg.lstsq(np.array(host_rows), np.ones(len(host_rows)), rcond=None)[0]
             c.h_phase, c.h_byte = max(float(h[0]), 0.0), max(float(h[1]), 0.0)
         if new_split == split:
             break
@@ -332,30 +333,34 @@ def _a2a_reports(paths: Sequence[Path]) -> List[dict]:
 
 
 def a2a_samples(report: dict, floor: bool = False) -> List[Sample]:
-    """Samples of one a2a report: flat, hierarchical and chosen per size (host floors if ``floor``)."""
+    """Samples of one a2a report per size: flat, hierarchical, and the chosen exchange when it is
+    neither (``flat_p2p``, pipelined ``hierarchical_xP``); with ``floor`` the host floors instead
+    (emulated fabrics only: the same exchanges at 100x the line rates)."""
     fabric = report.get("fabric")
     if fabric in FABRICS:
-        fab = Fabric(fabric, report["nodes"], report["local"], params=report.get("params") or None)
+        fab = Fabric(fabric, report["nodes"], report["local"], params=report.get("fabric_params"))
         cl = Cluster.from_fabric(fab)
         shape = f"{report['nodes']}x{report['local']}"
+        if floor:
+            cl = Cluster.from_fabric(Fabric(fab.preset, fab.nodes, fab.local, params={
+                k: v * 100 if k.endswith("_bps") else v for k, v in fab.params.items()}))
+    elif floor:
+        return []
     else:  # a real cluster: levels only, bandwidths unknown (fitted per level by calibrate())
         cl = Cluster([LinkLevel(f"level{i}", s, None) for i, s in enumerate(report["levels"])])
         fabric, shape = "cluster", "x".join(map(str, report["levels"]))
     out = []
     for r in report["results"]:
-        x = float(r["size_bytes"])
+        x, mib = float(r["size_bytes"]), f"{fabric} {shape} {r['size_bytes'] / 2**20:g} MiB"
         if floor:
             if r.get("host_floor_s"):
-                fast = Cluster.from_fabric(Fabric(fab.preset, fab.nodes, fab.local, params={
-                    k: v * 100 if k.endswith("_bps") else v for k, v in fab.params.items()}))
-                out.append(Sample(fast, "best", x, r["host_floor_s"], f"a2a/{fabric}/host-floor",
-                                  f"{fabric} {shape} {x / 2**20:g} MiB host floor"))
+                out.append(Sample(cl, "best", x, r["host_floor_s"], f"a2a/{fabric}/host-floor", f"{mib} host floor"))
             continue
         for alg in ("flat", "hierarchical", "chosen"):
             a = r["chosen"] if alg == "chosen" else alg
             m = r.get(f"{alg}_s")
-            if m:
-                out.append(Sample(cl, a, x, float(m), f"a2a/{fabric}/{alg}", f"{fabric} {shape} {x / 2**20:g} MiB {alg} ({a})"))
+            if m and (alg != "chosen" or a not in ("flat", "hierarchical")):  # chosen: not measured twice
+                out.append(Sample(cl, a, x, float(m), f"a2a/{fabric}/{alg}", f"{mib} {alg} ({a})"))
     return out
 
 
@@ -403,22 +408,26 @@ _RATE = re.compile(r"^\s*(\w+)\s+(\d+) x ([\d.]+) Mbit/s each", re.M)
 
 
 def _e2e_fabric(d: dict) -> Fabric:
-    rates = {m.group(1): float(m.group(3)) * 1e6 for m in _RATE.finditer(d.get("fabric_description", ""))}
+    """The run's fabric: its ``fabric_params``, or (older reports) the rates in its description."""
     preset, N, L = d["fabric"], d["nodes"], d["local"]
-    if preset == "rail":
-        params = {"rail_bps": rates["rail"]}
-    elif preset == "shared-uplink":
-        params = {"uplink_bps": rates["uplink"]}
-    else:
-        params = {"tile_nic_share_bps": rates["uplink"] / L}
-    return Fabric(preset, N, L, params=d.get("params") or params)
+    params = d.get("fabric_params")
+    if params is None:
+        rates = {m.group(1): float(m.group(3)) * 1e6 for m in _RATE.finditer(d["fabric_description"])}
+        if preset == "rail":
+            params = {"rail_bps": rates["rail"]}
+        elif preset == "shared-uplink":
+            params = {"uplink_bps": rates["uplink"]}
+        else:
+            params = {"tile_nic_share_bps": rates["uplink"] / L}
+    return Fabric(preset, N, L, params=params)
 
 
-def layer_flops(spec: ModelSpec, s: float, s_local: float) -> float:
+def layer_flops(spec: ModelSpec, s: float, s_local: float, head_pad: float = 1.0) -> float:
     """FLOPs of one DiT block per rank: QKV + out + 4x MLP projections on the local tokens (24 D^2
-    per token), attention over the whole sequence (4 s D per local token)."""
+    per token), attention over the whole sequence (4 s D per local token, times ``head_pad``:
+    padded zero heads are attended too, the projections are not padded)."""
     D = spec.heads * spec.head_dim
-    return s_local * (24 * D * D + 4 * s * D)
+    return s_local * (24 * D * D + 4 * s * D * head_pad)
 
 
 def predict_step(spec: ModelSpec, cl: Cluster, c: Coeffs, *, size: int, frames: int = 1, batch: int = 1,
@@ -468,8 +477,7 @@ def predict_step(spec: ModelSpec, cl: Cluster, c: Coeffs, *, size: int, frames: 
             ring_bytes.append((count, (ring - 1) * 2 * b * s / ring * D * spec.dtype_bytes))
             ring_attn.append(4 * b * (s / ring) * s * D / (tflops * 1e12))  # this rank's attention
     return {"comm_s": total - hidden, "v_hidden_s": hidden, "ring": list(zip(ring_bytes, ring_attn)),
-            "bytes": nbytes,
-            "exchanges": sum(n for _, _, n in msgs), "algorithms": algs}
+            "bytes": nbytes, "algorithms": algs}
 
 
 def e2e_samples(path: Path, c: Coeffs) -> List[Tuple[Sample, float]]:
@@ -485,7 +493,7 @@ def e2e_samples(path: Path, c: Coeffs) -> List[Tuple[Sample, float]]:
         name = cfg["name"]
         p = predict_step(spec, cl, c, size=d["size"], ulysses=d["ulysses_degree"], steps=d["steps"],
                          algorithm="flat" if name == "stock" else "best", v_first="vfirst" in name,
-                         v_major=(cfg.get("v_major_active_fraction") or V_MAJOR_ACTIVE) if "vmajor" in name else None,
+                         v_major=cfg["v_major_active_fraction"] if "vmajor" in name else None,
                          compute_layer_s=compute_layer)
         if abs(p["bytes"] - cfg["bytes_per_step"]) > 0.01 * cfg["bytes_per_step"]:
             raise ValueError(f"{path}: model {spec.name} gives {p['bytes']:.0f} bytes per step, "
@@ -525,7 +533,10 @@ def validate(results: Path = RESULTS_DIR) -> dict:
     return {
         "method": ("leave-one-fabric-out: a2a points of a fabric are predicted from its line rates with "
                    "efficiency and host coefficients fitted on the other fabrics' a2a points; e2e points "
-                   "with coefficients fitted on all a2a points and the run's stock compute time for V-First"),
+                   "with coefficients fitted on all a2a points, and two inputs taken from measured runs: "
+                   "V-First points take the compute time from the stock run's measured step_s - "
+                   "comm_exposed_s, V-Major points their own run's measured v_major_active_fraction "
+                   "(a token count share, not a time)"),
         "median_abs_rel_error": med, "target": TARGET_MEDIAN, "met": med <= TARGET_MEDIAN,
         "points": len(points),
         "groups": {g: {"points": len(v), "median_abs_rel_error": statistics.median(v)} for g, v in sorted(groups.items())},
@@ -553,27 +564,7 @@ def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int
         c = fit([s for r in _a2a_reports(sorted(RESULTS_DIR.glob("a2a-*-*x*.json"))) for s in a2a_samples(r)])
         c.source = "fitted on the shipped a2a results (emulated fabric, 2-core host)"
     else:
-        from cocodiff_xfuser.comm.topology import CONFIG_DIR, Topology  # light: no torch
-
-        known = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
-        if cluster not in known and not Path(cluster).is_file():
-            raise ValueError(f"unknown cluster {cluster!r}; emulated fabrics: {', '.join(FABRICS)}; "
-                             f"topology presets: {', '.join(known)}")
-        world = None
-        for w in range(nodes, nodes * 1024 + 1, nodes):  # find the preset's ranks per node
-            try:
-                t = Topology.from_preset(cluster, w)
-            except (OSError, KeyError) as e:
-                raise ValueError(f"unknown cluster {cluster!r}: not an emulated fabric ({', '.join(FABRICS)}) "
-                                 f"nor a topology preset ({e})") from None
-            except ValueError:
-                continue
-            if len(t.levels) == 1 or t.levels[0].size == nodes:
-                world = w
-                break
-        if world is None:
-            raise ValueError(f"cannot size preset {cluster!r} for {nodes} nodes")
-        full = Cluster.from_preset(cluster, world)
+        full = Cluster.from_preset(cluster, nodes)
         c = Coeffs()
     if calibrate is not None:
         c, fitted = calibrate_file(Path(calibrate))
@@ -583,11 +574,13 @@ def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int
     tf = tflops or TFLOPS.get(cluster, DEFAULT_TFLOPS)
     img, txt = spec.tokens(size, frames)
     rows = []
-    for C in ([1, 2] if spec.cfg and batch >= 1 else [1]):
+    for C in ([1, 2] if spec.cfg and W % 2 == 0 else [1]):
         for U in _divisors(W // C):
             R = W // C // U
             if spec.heads % U and not pad_heads:
                 continue
+            if spec.flux and R > 1 and (img % (U * R) or txt % (U * R)):
+                continue  # uneven tokens: cocodiff pads them without ring only, stock refuses uneven image
             try:
                 group = full.subgroup(U)
             except ValueError:
@@ -606,8 +599,8 @@ def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int
                     ring_s += count * max(0.0, (nb / lv.Bps if lv.Bps else 0.0) + lv.latency_s * (R - 1) - attn)
             b = batch * (2 if spec.cfg and C == 1 else 1)
             pad = math.ceil(spec.heads / U) * U / spec.heads
-            compute = steps * b * sum(n * layer_flops(spec, img + (txt if j else 0), (img + (txt if j else 0)) / (U * R))
-                                      for n, j in spec.attn) * pad / (tf * 1e12) / steps
+            seqs = [(n, img + (txt if j else 0)) for n, j in spec.attn]
+            compute = b * sum(n * layer_flops(spec, s, s / (U * R), pad) for n, s in seqs) / (tf * 1e12)
             rows.append({
                 "ulysses": U, "ring": R, "cfg": C, "head_padding": pad, "pad_bytes_overhead": pad - 1,
                 "bytes_per_step": coco["bytes"], "stock_comm_s": stock["comm_s"] + ring_s,
@@ -650,7 +643,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=1, help="video frames (wan)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--cluster", default="dgx-h100", help="topology preset (configs/*.yaml) or emulated fabric")
+    p.add_argument("--cluster", default="dgx-h100",
+                   help=f"topology preset (configs/*.yaml or a path) or emulated fabric ({', '.join(FABRICS)})")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--local", type=int, default=None, help="ranks per node (emulated fabrics only)")
     p.add_argument("--calibrate", type=Path, default=None, help="a `cocodiff bench a2a` JSON to fit the model on")

@@ -10,7 +10,7 @@ import sys
 import types
 from typing import NoReturn
 
-from cocodiff_xfuser import backend, commstats
+from cocodiff_xfuser import backend, commstats, padding
 from cocodiff_xfuser.comm import faults
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import compat, flags, padded
@@ -51,14 +51,14 @@ def _activating_backend(original):
                 )
                 backend.activate(get_sp_group().ulysses_group, options)
             except (ValueError, Disagreement) as e:
-                _user_error(str(e))
+                user_error(str(e))
         else:
             backend.deactivate()
 
     return _check_distributed_env
 
 
-def _user_error(message: str) -> NoReturn:
+def user_error(message: str) -> NoReturn:
     """A user's mistake, found alike on every rank: one line from rank 0, then every rank exits with 2."""
     import torch.distributed as dist
 
@@ -102,8 +102,9 @@ def _adapting_model_after(original, get_transformers):
         padded.mark_padded_tokens(transformers)
         reason = next(filter(None, map(processors.unsupported_reason, transformers)), None)
         uneven = padded.uneven_heads(transformers, active.world_size)
+        padding.set_uneven_heads(uneven)
         if reason is not None and uneven is not None:
-            _user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
+            user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
         if reason is not None:
             logger.warning("cocodiff: %s; falling back to stock Ulysses", reason)
             commstats.count_fallback(f"model: {reason}")
@@ -115,6 +116,9 @@ def _adapting_model_after(original, get_transformers):
             v_major = active.options.v_major if active.slow_level is not None else None
             for transformer in transformers:
                 processors.install(transformer, v_major)
+            stock = sorted({name for t in transformers for name in processors.stock_usp(t)})
+            if uneven is not None and stock:
+                user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
         return result
 
     return wrapper
@@ -127,7 +131,7 @@ def _check_padding_possible(uneven: str) -> None:
 
     reason = ulysses.stock_reason()
     if reason is not None:
-        _user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, which {reason} rules out")
+        user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, which {reason} rules out")
 
 
 class _ModelRegistry(dict):

@@ -47,8 +47,8 @@ def _add_backend_args(parser) -> None:
         "--cocodiff_topology",
         "--cocodiff-topology",
         default=None,
-        help="cocodiff: hardware levels as NxL[xT] (nodes x ranks per node [x tiles]), a preset "
-        "(aurora, dgx-h100) or 'auto' (detected from hostnames and LOCAL_WORLD_SIZE; the default).",
+        help="cocodiff: hardware levels as NxL[xT] (nodes x ranks per node [x tiles]), a preset (aurora, "
+        "dgx-h100, dgx-h200, pcie-8gpu) or preset file, or 'auto' (detected from hostnames and LOCAL_WORLD_SIZE; the default).",
     )
     group.add_argument(
         "--cocodiff_a2a",

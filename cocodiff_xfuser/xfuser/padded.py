@@ -22,7 +22,8 @@ _logged: set[padding.Streams] = set()
 def uneven_heads(transformers, world: int) -> str | None:
     """``"38 attention heads over ulysses degree 4"`` when the degree does not divide a model's heads."""
     for transformer in transformers:
-        heads = getattr(getattr(transformer, "config", None), "num_attention_heads", None)
+        config = getattr(transformer, "config", None)
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
         if isinstance(heads, int) and world > 1 and heads % world:
             return f"{heads} attention heads over ulysses degree {world}"
     return None
@@ -49,9 +50,8 @@ def mark_padded_tokens(transformers) -> None:
     """After a model loads: a FLUX transformer wrapper pads its own tokens (below)."""
     from xfuser.core.distributed import get_runtime_state
 
-    from xfuser.model_executor.models.transformers.transformer_flux import xFuserFlux1Transformer2DWrapper
-
-    get_runtime_state()._cocodiff_pads_tokens = any(isinstance(t, xFuserFlux1Transformer2DWrapper) for t in transformers)
+    flux = "xFuserFlux1Transformer2DWrapper"  # by name: importing FLUX's module for every model costs a load
+    get_runtime_state()._cocodiff_pads_tokens = any(flux in {c.__name__ for c in type(t).__mro__} for t in transformers)
 
 
 def _rounding_height(original):
@@ -87,13 +87,10 @@ def _padding_forward(original):
         if active is not None and encoder_hidden_states is not None:
             from xfuser.core.distributed import get_ring_parallel_world_size, get_sequence_parallel_world_size
 
-            layout = padding.streams((encoder_hidden_states.shape[1], hidden_states.shape[1]), get_sequence_parallel_world_size())
-            if layout is not None and get_ring_parallel_world_size() > 1:
-                raise ValueError(
-                    f"cocodiff: {encoder_hidden_states.shape[1]} text and {hidden_states.shape[1]} image tokens are not "
-                    f"divisible by the SP degree {layout.world}; padding them is supported with Ulysses alone "
-                    f"(ring degree 1): choose a resolution and text length divisible by {layout.world}"
-                )
+            # Ring attention passes K/V blocks between ranks: padded keys cannot be dropped there, so
+            # with ring degree > 1 xfuser's own layout runs (and refuses uneven image tokens).
+            if get_ring_parallel_world_size() == 1:
+                layout = padding.streams((encoder_hidden_states.shape[1], hidden_states.shape[1]), get_sequence_parallel_world_size())
         if layout is None:
             return original(self, hidden_states, encoder_hidden_states, *args, img_ids=img_ids, txt_ids=txt_ids, **kwargs)
         (text, text_to), (image, image_to) = layout.lengths
@@ -108,8 +105,10 @@ def _padding_forward(original):
             self._cocodiff_padding = True
         encoder_hidden_states = padding.pad_tokens(encoder_hidden_states, text_to, 1)
         hidden_states = padding.pad_tokens(hidden_states, image_to, 1)
-        txt_ids = padding.pad_tokens(txt_ids, text_to, txt_ids.ndim - 2)
-        img_ids = padding.pad_tokens(img_ids, image_to, img_ids.ndim - 2)
+        if txt_ids is not None:
+            txt_ids = padding.pad_tokens(txt_ids, text_to, txt_ids.ndim - 2)
+        if img_ids is not None:
+            img_ids = padding.pad_tokens(img_ids, image_to, img_ids.ndim - 2)
         with padding.tokens(layout):
             output = original(self, hidden_states, encoder_hidden_states, *args, img_ids=img_ids, txt_ids=txt_ids, **kwargs)
         if isinstance(output, tuple):

@@ -33,10 +33,12 @@ def patch_transformer_flux(module: types.ModuleType) -> None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pad_to_sp_divisible'")
         from xfuser.core.distributed import get_sequence_parallel_world_size
 
+        # With the backend active this is only reached under ring attention (padded.py pads otherwise).
+        fix = "cocodiff pads them with ring degree 1 only" if backend.active() else "--sp-backend cocodiff pads them exactly"
         raise ValueError(
             f"FLUX under sequence parallelism: {tensor.shape[dim]} image tokens are not divisible by the SP degree "
             f"{get_sequence_parallel_world_size()}; xfuser 0.7.0 would attend to its zero padding and change the "
-            f"image. Choose a resolution whose image token count is divisible by the SP degree."
+            f"image. Choose a resolution whose image token count is divisible by the SP degree ({fix})."
         )
 
     cls._pad_to_sp_divisible = _pad_to_sp_divisible

@@ -10,8 +10,10 @@ one torchrun per node), when ``cocodiff_xfuser.tools.fabric.available()`` says i
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ROOT / "cocodiff_xfuser" / "launchers"
+SCRIPTS = ("aurora.pbs", "slurm.sbatch", "torchrun-multinode.sh")
 AURORA_CPU_BIND = "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100"
 
 
@@ -68,7 +71,7 @@ def _nodefile(tmp_path: Path) -> Path:
 
 # =============================================================================== the files
 def test_launchers_ship_inside_the_package():
-    names = {"aurora.pbs", "slurm.sbatch", "torchrun-multinode.sh"}
+    names = set(SCRIPTS)
     assert names <= {p.name for p in LAUNCHERS.iterdir()}
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'packages = ["cocodiff_xfuser"]' in pyproject  # hatch ships every file in the package dir
@@ -85,7 +88,34 @@ def test_shellcheck_clean():
     assert r.returncode == 0, r.stdout
 
 
-@pytest.mark.parametrize("script", ["aurora.pbs", "slurm.sbatch", "torchrun-multinode.sh"])
+_SHARED = re.compile(r"^# --- shared: begin ---\n(.*?)^# --- shared: end ---\n", re.S | re.M)
+_SHARED_FUNCTIONS = ("die", "quote", "print_line", "setenv", "print_plan", "parse_args", "has_option", "option_value",
+                     "with_cocodiff")
+
+
+def test_shared_helpers_are_identical():
+    """Each launcher is one self-contained file (a batch system copies the job script alone), so the
+    helpers are copied into all three between ``# --- shared: begin/end ---``: the copies must match."""
+    blocks, outside = {}, {}
+    for name in SCRIPTS:
+        text = (LAUNCHERS / name).read_text()
+        assert text.count("# --- shared: begin ---") == 1 and text.count("# --- shared: end ---") == 1, name
+        m = _SHARED.search(text)
+        assert m, f"{name}: no shared block"
+        blocks[name], outside[name] = m.group(1), text[:m.start()] + text[m.end():]
+    reference = blocks[SCRIPTS[0]]
+    for fn in _SHARED_FUNCTIONS:
+        assert re.search(rf"^{fn}\(\) {{", reference, re.M), f"{fn} is not in the shared block"
+    for name in SCRIPTS[1:]:
+        diff = "".join(difflib.unified_diff(reference.splitlines(True), blocks[name].splitlines(True),
+                                            SCRIPTS[0], name))
+        assert blocks[name] == reference, diff
+    for name, text in outside.items():  # no script redefines a shared helper after the block
+        for fn in _SHARED_FUNCTIONS:
+            assert not re.search(rf"^\s*{fn}\(\)", text, re.M), f"{name} redefines {fn}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("args", [[], ["--dry-run"], ["--dry-run", "--"]])
 def test_no_command_is_a_usage_error(script, args):
     r = _run(script, *args, env=_env())
@@ -106,8 +136,9 @@ def test_aurora_dry_run(tmp_path):
     exports = dict(shlex.split(line)[1].split("=", 1) for line in lines[1:-1])
     assert all(line.startswith("export ") for line in lines[1:-1])
     assert exports == {
-        "CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "CCL_KVS_MODE": "mpi",
-        "CCL_KVS_USE_MPI_RANKS": "1", "CCL_CONFIGURATION": "cpu_gpu_dpcpp", "CCL_KVS_CONNECTION_TIMEOUT": "600",
+        "CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "FI_MR_CACHE_MONITOR": "userfaultfd",
+        # oneCCL's own KVS mode: ALCF's `mpi` needs MPI initialised in the process, which xfuser.runner skips.
+        "CCL_KVS_MODE": "pmi", "CCL_KVS_USE_MPI_RANKS": "1", "CCL_CONFIGURATION": "cpu_gpu_dpcpp", "CCL_KVS_CONNECTION_TIMEOUT": "600",
         "FI_PROVIDER": "cxi", "ZE_FLAT_DEVICE_HIERARCHY": "FLAT", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1",
         "OMP_NUM_THREADS": "8", "MASTER_ADDR": "x4102c5s0b0n0", "MASTER_PORT": "29500",
         "WORLD_SIZE": "24", "LOCAL_WORLD_SIZE": "12",
@@ -121,15 +152,34 @@ def test_aurora_dry_run(tmp_path):
 
 
 def test_aurora_keeps_the_users_flags_and_settings(tmp_path):
-    env = _env(PBS_NODEFILE=str(_nodefile(tmp_path)), COCODIFF_DRY_RUN="1", CCL_KVS_MODE="pmi", MASTER_PORT="1234")
+    env = _env(PBS_NODEFILE=str(_nodefile(tmp_path)), COCODIFF_DRY_RUN="1", CCL_KVS_MODE="mpi", MASTER_PORT="1234")
     exports, [argv] = _dry("aurora.pbs", "--", "python", "run.py", "--sp_backend=cocodiff", "--cocodiff-topology", "2x12",
                            env=env)
-    assert exports["CCL_KVS_MODE"] == "pmi" and exports["MASTER_PORT"] == "1234"
+    assert exports["CCL_KVS_MODE"] == "mpi" and exports["MASTER_PORT"] == "1234"
     assert argv[11:] == ["python", "run.py", "--sp_backend=cocodiff", "--cocodiff-topology", "2x12"]
     _, [argv] = _dry("aurora.pbs", "python", "run.py", env=_env(PBS_NODEFILE=env["PBS_NODEFILE"], COCODIFF_TOPOLOGY=""))
     assert argv[11:] == ["python", "run.py", "--sp-backend", "cocodiff"]  # empty topology: detected
     r = _run("aurora.pbs", "python", "run.py", env=_env())
     assert r.returncode == 2 and "not inside a PBS job" in r.stderr
+
+
+def test_aurora_other_ranks_per_node_needs_cpu_bind_and_topology(tmp_path):
+    nodefile = str(_nodefile(tmp_path))
+    bind6 = "list:1-16:17-32:33-48:53-68:69-84:85-100"
+    for extra in ({}, {"CPU_BIND": bind6}, {"COCODIFF_TOPOLOGY": "2x6"}):
+        r = _run("aurora.pbs", "--dry-run", "python", "run.py", env=_env(PBS_NODEFILE=nodefile, RANKS_PER_NODE="6", **extra))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and r.stdout == "" and len(lines) == 1, (extra, r.stderr)
+        assert "RANKS_PER_NODE=6" in lines[0] and "CPU_BIND" in lines[0] and "COCODIFF_TOPOLOGY" in lines[0]
+    # Both given (an empty COCODIFF_TOPOLOGY: detect), or the topology in the command: it runs as asked.
+    exports, [argv] = _dry("aurora.pbs", "python", "run.py",
+                           env=_env(PBS_NODEFILE=nodefile, RANKS_PER_NODE="6", CPU_BIND=bind6, COCODIFF_TOPOLOGY=""))
+    assert argv[:7] == ["mpiexec", "-n", "12", "--ppn", "6", "--cpu-bind", bind6]
+    assert (exports["WORLD_SIZE"], exports["LOCAL_WORLD_SIZE"]) == ("12", "6")
+    assert argv[11:] == ["python", "run.py", "--sp-backend", "cocodiff"]
+    _, [argv] = _dry("aurora.pbs", "python", "run.py", "--cocodiff_topology=2x6",
+                     env=_env(PBS_NODEFILE=nodefile, RANKS_PER_NODE="6", CPU_BIND=bind6))
+    assert argv[11:] == ["python", "run.py", "--cocodiff_topology=2x6", "--sp-backend", "cocodiff"]
 
 
 _FAKE_MPIEXEC = """n=; ppn=
@@ -195,6 +245,22 @@ def test_slurm_topology_override_and_xdit(tmp_path):
     assert r.returncode == 2 and "not inside a Slurm allocation" in r.stderr
 
 
+def test_slurm_topology_follows_tasks_per_node(tmp_path):
+    """`dgx-h100` is 8 ranks per node: the default only with 8 tasks per node, else detected."""
+    env = _slurm_env(tmp_path)
+    for ppn in ("4", "4(x2)"):
+        exports, [argv] = _dry("slurm.sbatch", "python", "run.py", env={**env, "SLURM_NTASKS_PER_NODE": ppn,
+                                                                         "SLURM_GPUS_PER_NODE": "4"})
+        assert argv[1:5] == ["--nodes=2", "--ntasks=8", "--ntasks-per-node=4", "--gpus-per-node=4"]
+        assert exports["LOCAL_WORLD_SIZE"] == "4"
+        assert argv[10:] == ["python", "run.py", "--sp-backend", "cocodiff"]  # detected from hostnames + LOCAL_WORLD_SIZE
+    # An explicit COCODIFF_TOPOLOGY wins either way (empty: detect, also with 8 tasks per node).
+    _, [argv] = _dry("slurm.sbatch", "python", "run.py", env={**env, "SLURM_NTASKS_PER_NODE": "4", "COCODIFF_TOPOLOGY": "2x4"})
+    assert argv[10:] == ["python", "run.py", "--sp-backend", "cocodiff", "--cocodiff_topology", "2x4"]
+    _, [argv] = _dry("slurm.sbatch", "python", "run.py", env={**env, "COCODIFF_TOPOLOGY": ""})
+    assert argv[10:] == ["python", "run.py", "--sp-backend", "cocodiff"]
+
+
 def test_slurm_tasks_get_torch_environment(tmp_path):
     env = _slurm_env(tmp_path)
     _fake_bin(tmp_path, "srun", _FAKE_SRUN)
@@ -233,6 +299,10 @@ def test_torchrun_dry_run_script_module_and_xdit():
     assert argv == ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "8", "--master-addr", "h0",
                     "--master-port", "2222", "-m", "xfuser.runner", "--model", "m", "--ulysses_degree", "16",
                     "--sp-backend", "cocodiff"]
+    # The command as one string (COCODIFF_CMD), as in the batch scripts.
+    _, [argv2] = _dry("torchrun-multinode.sh", env=_env(COCODIFF_CMD="xdit --nnodes 2 --node_rank=1 --master_addr h0 "
+                                                         "--master_port 2222 --model m --ulysses_degree 16 --sp-backend cocodiff"))
+    assert argv2 == argv
     # One node, no degrees: torchrun's own "gpu" (one process per GPU), on this host.
     _, [argv] = _dry("torchrun-multinode.sh", "run.py", env=_env())
     assert argv == ["torchrun", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "gpu", "--master-addr",

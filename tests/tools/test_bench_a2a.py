@@ -92,6 +92,8 @@ def test_smoke_rail_2x2(tmp_path, capsys):
     assert r["fraction_of_bound"] == pytest.approx(r["chosen_s"] / r["bound_s"])
     assert set(r["autotune"]["ratios"]) == {"flat_p2p", "hierarchical"}  # no pipelining below 1 MiB
     assert r["ulysses"]["cocodiff_layout_s"] > 0
+    padded = r["ulysses"]["padding"]
+    assert padded["padded_heads"] == padded["heads"] + 1 and padded["time_vs_same_bytes_unpadded"] > 0
 
 
 @pytest.mark.slow

@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import commstats, platform
+from cocodiff_xfuser import commstats, padding, platform
 from cocodiff_xfuser.comm import layout
 from cocodiff_xfuser.comm.autotune import AutoAllToAll, candidate_key, size_bucket, split_key
 from cocodiff_xfuser.comm.registry import Registry
@@ -173,9 +173,17 @@ def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Time
     def xfuser_path() -> torch.Tensor:
         return xfuser_output(tuner.run(algorithm, xfuser_layout().view(-1), pg))
 
-    def cocodiff_path() -> tuple[torch.Tensor, ...]:
+    def cocodiff_path(tensors: tuple[torch.Tensor, ...] = (q, k)) -> tuple[torch.Tensor, ...]:
         extra = {"layout": order} if folded else {}
-        return cocodiff_output(tuner.start(algorithm, cocodiff_layout().view(-1), pg, **extra).wait())
+        stacked = layout.heads(tensors, levels if folded else (world,), order)
+        return cocodiff_output(tuner.start(algorithm, stacked.view(-1), pg, **extra).wait())
+
+    # One head short of a multiple of the degree (like 38 heads on 4 ranks): cocodiff pads it
+    # with a zero head (padding.py), stock cannot split it. Same bytes on the wire as above.
+    short = (q[:, 1:], k[:, 1:])
+
+    def padded_path() -> tuple[torch.Tensor, ...]:  # the zero head is trimmed after the output exchange
+        return cocodiff_path(tuple(padding.pad_heads(t, world) for t in short))
 
     ref = xfuser_path()
     if not all(same_bits(a, b) for a, b in zip(cocodiff_path(), ref)):
@@ -192,6 +200,7 @@ def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Time
         "cocodiff_layout": cocodiff_path,
         "xfuser_copies_only": lambda: xfuser_output(xfuser_layout()),
         "cocodiff_copies_only": lambda: cocodiff_output(cocodiff_layout()),
+        "cocodiff_padded": padded_path,
     }
     names, log = list(ops), []
     for rep in range(warmup + reps):
@@ -209,6 +218,16 @@ def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Time
         "xfuser_copies_per_exchange": 3 + inside / nbytes,
         "cocodiff_copies_per_exchange": cocodiff_passes,
         **{f"{name}_s": t for name, t in median.items()},
+        # The padded exchange against the unpadded one of the same bytes (measured), and against an
+        # ideal uneven one sending only the real heads' bytes (extrapolated: time x real / padded bytes).
+        "padding": {
+            "heads": world * ULYSSES_HEADS - 1,
+            "padded_heads": world * ULYSSES_HEADS,
+            "extra_bytes_share": 1 / (world * ULYSSES_HEADS - 1),
+            "time_vs_same_bytes_unpadded": median["cocodiff_padded"] / median["cocodiff_layout"],
+            "time_vs_ideal_real_bytes": median["cocodiff_padded"]
+            / (median["cocodiff_layout"] * (world * ULYSSES_HEADS - 1) / (world * ULYSSES_HEADS)),
+        },
     }
 
 
@@ -587,6 +606,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "copy_time_s": None
         if ulysses is None
         else {"xfuser": ulysses["xfuser_copies_only_s"], "cocodiff": ulysses["cocodiff_copies_only_s"]},
+        "padding": None if ulysses is None else ulysses["padding"],
     }
 
 
@@ -608,6 +628,14 @@ def format_summary(fabric: str | None, rows: list[dict[str, Any]]) -> str:
             f"{r['shape']:>6} {r['worst_vs_stock']:14.2f}x {r['worst_at_mib']:7g} {bound_text:>22} {reach_text:>18}"
             f" {copies_text:>26} {ms_text:>16}"
         )
+    for r in rows:
+        if r.get("padding"):
+            p = r["padding"]
+            lines.append(
+                f"{r['shape']:>6} padding {p['heads']} heads to {p['padded_heads']} (stock cannot split them): "
+                f"+{p['extra_bytes_share']:.1%} bytes; time {p['time_vs_same_bytes_unpadded']:.2f}x the unpadded exchange "
+                f"of the same bytes, {p['time_vs_ideal_real_bytes']:.2f}x an ideal one of the real bytes (extrapolated)"
+            )
     return "\n".join(lines)
 
 
