@@ -152,15 +152,7 @@ class HierarchicalHandle:
         (row) per message, on every rank alike. ``layout``: the memory order of the level dims
         of a contiguous ``x`` (default: destination-major, ``0, 1, ...``); in
         :meth:`HierarchicalAllToAll.input_layout` the first phase needs no re-blocking copy."""
-        self._plan = plan
-        self._pool = pool
-        self._pollable = pollable
-        self._completion_driven = completion_driven
-        self._p2p = receives_first
-        self._shape = x.shape
-        self._dtype = x.dtype
-        data = comm_view(x) if x.dim() != 2 or x.is_contiguous() else x
-        data = data.view(len(plan.ranks), -1)
+        data = self._bind(x, plan, pool, pollable, receives_first, completion_driven).view(len(plan.ranks), -1)
         self._chunk = data.shape[1]
         self._dest = out
         self._order = list(layout) if layout is not None else list(range(len(plan.levels)))  # memory order of the level dims
@@ -177,6 +169,16 @@ class HierarchicalHandle:
             self._post_direct(data)
         plan.in_flight.append(self)
         self._launch_next()
+
+    def _bind(
+        self, x: torch.Tensor, plan: _GroupPlan, pool: _BufferPool, pollable: bool, p2p: bool, completion_driven: bool
+    ) -> torch.Tensor:
+        """The state every handle keeps; returns ``x`` as the exchange reads it (contiguous, or a
+        part's ``[W, c]`` view with contiguous rows)."""
+        self._plan, self._pool, self._pollable, self._completion_driven = plan, pool, pollable, completion_driven
+        self._p2p = p2p
+        self._shape, self._dtype = x.shape, x.dtype
+        return comm_view(x) if x.dim() != 2 or x.is_contiguous() else x
 
     def _post_direct(self, data: torch.Tensor) -> None:
         levels = self._plan.levels
@@ -342,11 +344,8 @@ class TwoLevelHandle(HierarchicalHandle):
         completion_driven: bool = False,
         out: torch.Tensor | None = None,
     ) -> None:
-        self._plan, self._pool, self._pollable, self._completion_driven = plan, pool, pollable, completion_driven
-        self._p2p = True
-        self._shape, self._dtype = x.shape, x.dtype
+        data = self._bind(x, plan, pool, pollable, receives_first, completion_driven)
         l0, l1 = plan.levels
-        data = comm_view(x) if x.dim() != 2 or x.is_contiguous() else x
         self._src = data.view(l0, l1, -1)
         c = self._src.shape[2]
         self._half = c // 2  # inner-first: [:half]; outer-first: [half:]

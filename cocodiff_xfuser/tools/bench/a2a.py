@@ -164,8 +164,8 @@ def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Time
     def xfuser_output(out: torch.Tensor) -> torch.Tensor:
         return out.view(world, 2, 1, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM).permute(1, 2, 3, 0, 4, 5).reshape(2, 1, ULYSSES_HEADS, -1, ULYSSES_HEAD_DIM)
 
-    def cocodiff_layout() -> torch.Tensor:
-        return layout.heads((q, k), levels if folded else (world,), order)
+    def cocodiff_layout(tensors: tuple[torch.Tensor, ...] = (q, k)) -> torch.Tensor:
+        return layout.heads(tensors, levels if folded else (world,), order)
 
     def cocodiff_output(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return layout.sequence(out.view(world, 2, 1, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM), 2)
@@ -175,8 +175,7 @@ def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Time
 
     def cocodiff_path(tensors: tuple[torch.Tensor, ...] = (q, k)) -> tuple[torch.Tensor, ...]:
         extra = {"layout": order} if folded else {}
-        stacked = layout.heads(tensors, levels if folded else (world,), order)
-        return cocodiff_output(tuner.start(algorithm, stacked.view(-1), pg, **extra).wait())
+        return cocodiff_output(tuner.start(algorithm, cocodiff_layout(tensors).view(-1), pg, **extra).wait())
 
     # One head short of a multiple of the degree (like 38 heads on 4 ranks): cocodiff pads it
     # with a zero head (padding.py), stock cannot split it. Same bytes on the wire as above.
