@@ -13,7 +13,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Callable, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from cocodiff_xfuser.comm.registry import A2A_SETTINGS, Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 
 logger = logging.getLogger("cocodiff_xfuser")
+T = TypeVar("T")
 
 # A JSON file of autotune decisions: loaded at activation when it exists, written at exit.
 DECISIONS_ENV = "COCODIFF_A2A_DECISIONS"
@@ -59,14 +60,14 @@ class _Reshaping:
         self.done = False
         self._out: torch.Tensor | None = None
 
-    def progress(self) -> bool:
-        return self._handle.progress()
+    def advance(self) -> bool:
+        return self._backend.finish(self._handle.advance, self.label, self.algorithm)
 
     def wait(self) -> torch.Tensor:
         # Idempotent: the autotune completes pending exchanges before it measures, and their
         # owners wait again later (a sparse exchange adds residuals: it must complete once).
         if not self.done:
-            self._out = self._backend.finish(self._handle, self.label, self.algorithm).reshape(self._shape)
+            self._out = self._backend.finish(self._handle.wait, self.label, self.algorithm).reshape(self._shape)
             self.done = True
         return self._out
 
@@ -156,11 +157,12 @@ class CocodiffBackend:
         commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=slow)
         return algorithm
 
-    def finish(self, handle: AllToAllHandle, label: str, algorithm: str) -> torch.Tensor:
-        """``handle.wait()``; a failed or timed-out exchange ends this rank with one line."""
+    def finish(self, step: Callable[[], T], label: str, algorithm: str) -> T:
+        """``step()`` (a handle's ``advance`` or ``wait``); a failed or timed-out exchange ends this
+        rank with one line."""
         try:
             with faults.inside(label, self._where(algorithm)):
-                return handle.wait()
+                return step()
         except RuntimeError as e:
             self._abort(label, algorithm, e)
 
@@ -200,7 +202,7 @@ class CocodiffBackend:
         try:
             algorithm = self._algorithm(probe, label)
             if algorithm == "hierarchical" and self.exchange.parts(probe, self.group) == 1:
-                sends = self.exchange.registry.tapa.input_layout(self.group, tensors[0].device)
+                sends = self.exchange.registry.tapa.input_layout(self.group)
                 data, extra = layout.heads(tensors, self.levels, sends), {"layout": sends}
             else:
                 data, extra = layout.heads(tensors, (self.world_size,), (0,)), {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cocodiff_xfuser.comm.transport import DEVICE_SEMANTICS_ENV
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.generate import output_dir
@@ -31,6 +32,11 @@ LAYOUTS = {
     "u2r2": (2, 2, False, "2x2", ()),
     "u2cfg2": (2, 1, True, "2x2", ()),
 }
+# The hierarchical layout again with gloo made to follow a device backend's rules
+# (COCODIFF_DEVICE_SEMANTICS=1: XCCL's order inside every batch, each receive completing in order,
+# the order audit on), as NCCL/XCCL would run it: bitwise stock still.
+DEVICE_SEMANTICS = {"u4r1-device": "u4r1"}
+LAYOUTS |= {name: LAYOUTS[base] for name, base in DEVICE_SEMANTICS.items()}
 CASES = [(model, name) for name, layout in LAYOUTS.items() for model in (CFG_MODELS if layout[2] else MODELS)]
 # Stock Ulysses vs one process: same weights and seed, different reduction orders (sharded
 # attention, ring merges). Images are in [0, 1].
@@ -59,7 +65,8 @@ def generated(tmp_path_factory) -> dict[str, Path]:
         (out / "variants.json").write_text(json.dumps(V_MAJOR_EXACT))
         argv = run.argv(BACKENDS, out) + ["--variants", str(out / "variants.json")]
         argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in models)
-        launcher.torchrun(run.world_size, argv, timeout=900)
+        env = {DEVICE_SEMANTICS_ENV: "1"} if layout in DEVICE_SEMANTICS else {}
+        launcher.torchrun(run.world_size, argv, env=env, timeout=900)
         outputs[layout] = out
     return outputs
 
@@ -68,8 +75,12 @@ def _images(out: Path, model: str, backend: str) -> np.ndarray:
     return np.load(output_dir(out, tiny_models.SPECS[model].model_id, backend) / "images.npy")
 
 
+def _result(out: Path, model: str, backend: str) -> dict:
+    return json.loads((output_dir(out, tiny_models.SPECS[model].model_id, backend) / "result.json").read_text())
+
+
 def _ran(out: Path, model: str, backend: str) -> dict:
-    return json.loads((output_dir(out, tiny_models.SPECS[model].model_id, backend) / "result.json").read_text())["ran"]
+    return _result(out, model, backend)["ran"]
 
 
 @pytest.mark.parametrize("variant", BACKENDS[1:])
@@ -87,6 +98,8 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
     assert ran["fallbacks"] == {}, ran
     if "--cocodiff_a2a" in LAYOUTS[layout][4]:
         assert set(ran["exchanges"]) == {"hierarchical"}, ran
+    if layout in DEVICE_SEMANTICS:  # the mode was on: the audit recorded this rank's launches
+        assert _result(generated[layout], model, variant)["launches"][0], layout
     # Lossless: the slow level carries what the exact exchange carries (half of it on 2 nodes).
     assert ran["slow_link_bytes"] == ran["slow_link_bytes_exact"], ran
     if layout == "u4r1":
@@ -114,7 +127,7 @@ def _assert_v_major_ran(ran: dict, layout: str) -> None:
         assert not any(name.startswith("v-major") for name in ran["exchanges"]), ran
 
 
-@pytest.mark.parametrize("model, layout", CASES)
+@pytest.mark.parametrize("model, layout", [case for case in CASES if case[1] not in DEVICE_SEMANTICS])
 def test_stock_ulysses_matches_one_diffusers_process(generated, model, layout):
     reference = tiny_models.reference_images(model, PROMPT, seed=SEED)
     stock = _images(generated[layout], model, "ulysses")

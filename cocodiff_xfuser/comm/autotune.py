@@ -2,7 +2,7 @@
 
 Candidates are the algorithms of :mod:`.registry` that can exchange the message over the group:
 ``flat`` (stock: ``all_to_all_single`` through functional collectives, what xfuser does),
-``flat-p2p`` (the same exchange with every receive posted before any send; gloo groups only)
+``flat-p2p`` (the same messages as one batch of point-to-point operations, :mod:`.transport`)
 and ``hierarchical`` (TAPA; groups with a plan of two or more levels), the latter also
 pipelined in 2 or 4 parts for messages of at least ``PIPELINE_MIN_BYTES``. Which wins depends
 on the links, the backend and the message size (Tutel: hierarchical loses for large messages at
@@ -177,8 +177,8 @@ class AutoAllToAll:
     """All-to-all that picks an algorithm of ``registry`` per (group, size bucket).
 
     ``a2a``: ``"auto"`` (measure the eligible algorithms on first use) or one algorithm, used
-    wherever it can run; where it cannot (``hierarchical`` on a group within one level, ``flat-p2p``
-    off gloo), ``flat`` runs and the fall-back is counted (:func:`cocodiff_xfuser.commstats.ran`).
+    wherever it can run; where it cannot (``hierarchical`` on a group within one level, an input
+    that does not split), ``flat`` runs and the fall-back is counted (:func:`cocodiff_xfuser.commstats.ran`).
     ``reps``: pairs per candidate for large messages (more for small ones, see :func:`sampling`);
     ``margin``: how much faster than ``flat`` (relative) a candidate must measure to be chosen.
     """

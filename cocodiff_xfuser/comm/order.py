@@ -1,18 +1,14 @@
-"""One program order for collectives, and an audit that records it.
+"""One program order for collectives and point-to-point batches, and an audit that records it.
 
 The rule: NCCL and XCCL need every rank to submit the operations of every communicator in one
-consistent order, or ranks can deadlock. So every exchange here launches its operations at
-points of the program that are the same on every rank (SPMD model code): at ``start``, in
-``wait``, and in a TAPA handle's ``wait`` also the pending phases of the handles of the same
-group started before it, in start order. Nothing is launched because a local operation happened
-to complete first, with one exception: on gloo (CPU) a TAPA handle's ``progress`` (and a two-phase
-V-Major handle's, :mod:`.sparse`) launches its next phase once the previous one completed locally, which gloo tolerates (its collectives match
-by order within one communicator, and a pair of ranks never waits on a third) and which keeps
-V-First's slow phases moving on the emulated clusters.
+consistent order, or ranks can deadlock, and NCCL matches a pair's messages by issue order (it has
+no tags). So every exchange here launches its operations at points of the program that are the
+same on every rank (SPMD model code): at ``start``, in ``advance`` and in ``wait``. Nothing is ever
+launched because a local operation happened to complete first, on any backend.
 
-The audit (``COCODIFF_ORDER_AUDIT=1``) records each rank's launches as ``(communicator role,
-operation)`` and turns the gloo exception off, so that the program order itself is what the
-recording shows; a distributed test asserts that the sequences agree across ranks.
+The audit (``COCODIFF_ORDER_AUDIT=1``, and on under ``COCODIFF_DEVICE_SEMANTICS=1``) records each
+rank's launches as ``(communicator role, operation)``; a distributed test asserts that the
+sequences agree across ranks.
 """
 
 from __future__ import annotations
@@ -23,17 +19,13 @@ from typing import Any
 import torch.distributed as dist
 
 AUDIT_ENV = "COCODIFF_ORDER_AUDIT"
+_ON = ("COCODIFF_ORDER_AUDIT", "COCODIFF_DEVICE_SEMANTICS")  # the latter: transport.DEVICE_SEMANTICS_ENV
 
-_launches: list[tuple[str, str]] | None = [] if os.environ.get(AUDIT_ENV, "") not in ("", "0") else None
+_launches: list[tuple[str, str]] | None = [] if any(os.environ.get(v, "") not in ("", "0") for v in _ON) else None
 
 
 def auditing() -> bool:
     return _launches is not None
-
-
-def completion_driven(backend: str) -> bool:
-    """Whether a phase may launch when the previous one completed locally (gloo, outside an audit)."""
-    return backend == "gloo" and _launches is None
 
 
 def launched(group: Any, op: str, role: str | None = None) -> None:

@@ -28,7 +28,7 @@ class Algorithm:
 
     name: str
     reason: Callable[[torch.Tensor, Any], str | None]  # why it cannot exchange (x, group); None: it can
-    start: Callable[..., AllToAllHandle]  # (x, group), asynchronous, pollable with ``progress``
+    start: Callable[..., AllToAllHandle]  # (x, group), asynchronous, advanced with ``advance``
     run: Callable[..., torch.Tensor]  # (x, group), blocking; what the autotune measures
     # ``hierarchical`` also takes ``parts=`` (pipelining, see :mod:`.tapa`).
 

@@ -17,25 +17,23 @@ Two routings, like the exact exchange:
   across nodes between ranks of one rail: each rank forwards the active rows it relays. The slow
   phase carries only active rows, and no cross-rail traffic.
 
-On gloo the uneven exchanges are receives-first point-to-point messages (the reason is in
-:mod:`.flat`), elsewhere ``all_to_all_single`` with split sizes.
+Both are batches of point-to-point operations (:mod:`.transport`), the same code on every backend
+(uneven sizes need no split-size collective: both sides of every message know its size). The slow
+phase is posted in ``advance`` or ``wait``, at the same program point on every rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import faults, order
-from .flat import Completion, backend_name, post_pieces, uses_receives_first
+from . import order, subgroups, transport
 from .topology import Topology
 
-#: Tag of the sparse exchanges' point-to-point messages (their own groups, but kept apart anyway).
-SPARSE_TAG = 0x0CE1
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -67,7 +65,6 @@ class SlowLevel:
     me: int
     local_group: Any = None
     cross_group: Any = None
-    in_flight: list[SparseHandle] = field(default_factory=list)
 
     @property
     def exists(self) -> bool:
@@ -90,7 +87,8 @@ class SlowLevel:
 def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> dict[tuple[int, ...], SlowLevel]:
     """The :class:`SlowLevel` of every Ulysses group this rank belongs to, keyed by its sorted ranks.
 
-    Collective over the world: every rank creates the same sub-groups in the same order.
+    Collective over the world: every rank creates the same sub-groups in the same order (a
+    two-level group's are TAPA's level sub-groups, :mod:`.subgroups`).
     """
     rank = dist.get_rank()
     levels: dict[tuple[int, ...], SlowLevel] = {}
@@ -101,16 +99,8 @@ def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> di
         lane = [node[:j].count(node[j]) for j in range(len(ranks))]
         level = SlowLevel(node, lane, ranks.index(rank) if rank in ranks else -1)
         if len(nodes) > 1 and level.regular:
-            for n in range(len(nodes)):
-                members = [ranks[j] for j in range(len(ranks)) if node[j] == n]
-                pg = dist.new_group(members, timeout=faults.timeout())
-                if rank in members:
-                    level.local_group = pg
-            for l in range(max(lane) + 1):
-                members = [ranks[j] for j in range(len(ranks)) if lane[j] == l]
-                pg = dist.new_group(members, timeout=faults.timeout())
-                if rank in members:
-                    level.cross_group = pg
+            level.cross_group = subgroups.member_of([[ranks[j] for j in range(len(ranks)) if lane[j] == l] for l in range(max(lane) + 1)])
+            level.local_group = subgroups.member_of([[ranks[j] for j in range(len(ranks)) if node[j] == n] for n in range(len(nodes))])
         if rank in ranks:
             levels[ranks] = level
     return levels
@@ -159,42 +149,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _post_uneven(
-    out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, device: torch.device, role: str, poll: bool = False
-) -> Completion | Any:
-    """Exchange ``inp[j]`` -> group rank j and receive ``out[i]`` from group rank i (sizes known on
-    both sides). ``poll``: on gloo, a waiter thread lets ``done()`` see completion (gloo's p2p works
-    report it only once waited on)."""
-    if uses_receives_first(group, device):
-        order.launched(group, f"p2p (tag {SPARSE_TAG})", role=role)
-        works = post_pieces([[t] for t in out], [[t] for t in inp], group, SPARSE_TAG)
-        me = dist.get_rank(group)
-        out[me].copy_(inp[me])
-        return Completion(works, poll=poll, buffers=(*out, *inp))
-    order.launched(group, "all_to_all_single (uneven)", role=role)
-    flat_out = torch.empty(sum(t.numel() for t in out), dtype=out[0].dtype, device=device)
-    work = dist.all_to_all_single(
-        flat_out, torch.cat([t.reshape(-1) for t in inp]), [t.numel() for t in out], [t.numel() for t in inp],
-        group=group, async_op=True,
-    )
-    return _Unpacking(work, flat_out, out)
-
-
-class _Unpacking:
-    """An uneven ``all_to_all_single`` whose output is copied into per-source tensors once complete."""
-
-    def __init__(self, work: Any, flat: torch.Tensor, out: list[torch.Tensor]) -> None:
-        self._work, self._flat, self._out = work, flat, out
-
-    def done(self) -> bool:
-        return self._work.is_completed()
-
-    def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait(faults.timeout())
-            for t, piece in zip(self._out, self._flat.split([t.numel() for t in self._out])):
-                t.view(-1).copy_(piece)
-            self._work = self._flat = None
+def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
+    """Send ``inp[j]`` to group rank j and receive ``out[i]`` from group rank i (sizes known on both
+    sides) as one batch; the own piece is copied."""
+    done = transport.post([[t] for t in out], [[t] for t in inp], group, role, "rows")
+    me = transport.group_info(group)[0]
+    transport.copy_own(out[me], inp[me])
+    return done
 
 
 class SparseHandle:
@@ -229,7 +190,7 @@ class SparseHandle:
         if not two_phase:
             inp = [_bytes(x[j] if level.fast(j) else rows[j]) for j in range(w)]
             self._received = [torch.empty(self._size(j), dtype=torch.uint8, device=device) for j in range(w)]
-            self._pending = _post_uneven(self._received, inp, group, device, "sparse one-phase")
+            self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
         # for that lane on every other node (node order).
@@ -242,20 +203,16 @@ class SparseHandle:
             torch.empty(self._full_bytes + len(self._others) * self._counts[m] * self._row_bytes, dtype=torch.uint8, device=device)
             for m in self._mates
         ]
-        self._polled = order.completion_driven(backend_name(level.local_group, device))  # see progress()
-        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, device, "sparse phase 1 (node)", self._polled)
-        level.in_flight.append(self)
+        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, "sparse phase 1 (node)")
 
     def _size(self, j: int) -> int:
         return self._full_bytes if self._level.fast(j) else self._counts[j] * self._row_bytes
 
-    def progress(self) -> bool:
-        """On gloo, launch the slow phase once the node phase completed locally (never blocks)."""
-        if self._two_phase and self._phase2 is None and self._polled:
-            earlier = self._level.in_flight[: self._level.in_flight.index(self)]
-            if all(h._phase2 is not None for h in earlier) and self._pending.done():
-                self._launch_phase2()
-        return not self._two_phase or self._phase2 is not None
+    def advance(self) -> bool:
+        """Post the slow phase once the node phase is in (a stream wait on NCCL/XCCL)."""
+        if self._two_phase and self._phase2 is None:
+            self._launch_phase2()
+        return True
 
     def _launch_phase2(self) -> None:
         self._pending.wait()
@@ -280,8 +237,7 @@ class SparseHandle:
             inp.append(torch.cat(forward[n]))
             out.append(torch.empty(sum(self._counts[j] for j in srcs) * self._row_bytes, dtype=torch.uint8, device=empty.device))
         self._phase2_out = out
-        self._phase2 = _post_uneven(out, inp, level.cross_group, empty.device, "sparse phase 2 (across nodes)")
-        level.in_flight.remove(self)
+        self._phase2 = _post_uneven(out, inp, level.cross_group, "sparse phase 2 (across nodes)")
 
     def wait(self) -> torch.Tensor:
         """Complete the exchange into ``into`` (``[W, P, s, d]``, the previous result): rows from
@@ -296,8 +252,7 @@ class SparseHandle:
             for j, piece in enumerate(self._received):
                 self._place(into, j, piece)
             return into
-        while self._phase2 is None:  # launch order: every earlier handle's slow phase first
-            self._level.in_flight[0]._launch_phase2()
+        self.advance()
         self._phase2.wait()
         for j, piece in self._full.items():
             self._place(into, j, piece)

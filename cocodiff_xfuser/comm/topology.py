@@ -191,6 +191,19 @@ def restrict(topology: Topology, group_ranks: Sequence[int]) -> list[int]:
     return [len(s) for s in per_level if len(s) > 1]
 
 
+def level_subgroups(ranks: Sequence[int], levels: Sequence[int]) -> list[list[list[int]]]:
+    """Per level of a group's sub-grid (``levels`` from :func:`restrict`, outermost first), its
+    sub-groups: the global ranks that differ only in that level's coordinate. The phases of TAPA
+    run on them, and V-Major's two phases on those of a two-level group (:mod:`.subgroups`)."""
+    ranks = sorted(ranks)
+    subgroups = []
+    for j, size in enumerate(levels):
+        stride = math.prod(levels[j + 1 :])
+        starts = [i for i in range(len(ranks)) if (i // stride) % size == 0]
+        subgroups.append([[ranks[i + m * stride] for m in range(size)] for i in starts])
+    return subgroups
+
+
 def resolve(spec: str | os.PathLike | None, world_size: int) -> Topology:
     """Topology from a CLI-style spec: ``"2x4"``, a preset name or path, or None to detect (collective)."""
     if spec is None:

@@ -87,10 +87,10 @@ class PendingExchange:
             self._handle = active.start(stacked, label)
         self._exchanged = self._handle.wait() if self._calibration else None
 
-    def progress(self) -> None:
-        """Launch the next phases (slow links) if the earlier ones are done; never blocks."""
+    def advance(self) -> None:
+        """Launch the exchange's next phase (the slow links; on NCCL/XCCL without blocking the host)."""
         if self._exchanged is None:
-            self._handle.progress()
+            self._handle.advance()
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         waited = time.perf_counter()
@@ -136,7 +136,7 @@ def attention(
     from xfuser.core.distributed import get_ring_parallel_world_size
     from xfuser.model_executor.layers.usp import ring_attn
 
-    value.progress()
+    value.advance()
     heads, world = query.shape[1], backend.active().world_size
     joint_attn_kwargs = None
     if joint_strategy:

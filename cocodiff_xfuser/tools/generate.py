@@ -29,6 +29,8 @@ import numpy as np
 # Named backend configurations a job can run one after the other.
 VARIANTS = {
     "ulysses": {"sp_backend": "ulysses"},
+    # Stock's algorithm (xfuser's own USP, its exchanges unchanged) on the fair flat exchange.
+    "cocodiff-fair-flat": {"sp_backend": "cocodiff", "cocodiff_a2a": "flat-p2p"},
     "cocodiff": {"sp_backend": "cocodiff"},
     "cocodiff+vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True},
     "cocodiff+vfirst+vmajor": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on"},

@@ -191,19 +191,6 @@ def spanned_levels(topology: Topology, ranks: Sequence[int]) -> list[tuple[str, 
     return spans
 
 
-def level_subgroups(ranks: Sequence[int], levels: Sequence[int]) -> list[list[list[int]]]:
-    """Per level (outermost first), the sub-groups of ranks differing only in that coordinate:
-    the same construction as ``HierarchicalAllToAll.__init__``."""
-    import torch
-
-    ranks = sorted(ranks)
-    grid = torch.arange(len(ranks)).view(list(levels))
-    return [
-        [[ranks[i] for i in members] for members in grid.movedim(j, -1).reshape(-1, levels[j]).tolist()]
-        for j in range(len(levels))
-    ]
-
-
 def flat_fractions(topology: Topology, ranks: Sequence[int]) -> dict[str, Fraction]:
     """Per topology level, the average share of a rank's bytes that the flat exchange sends to
     peers whose outermost differing coordinate is that level (i.e. over that level's links)."""
@@ -236,7 +223,7 @@ def exchange_plan(topology: Topology, ranks: Sequence[int]) -> dict[str, Any]:
         phases = [_phase(by_name[name], size, [ranks])]
         reason = f"the group spans one level ({name}): TAPA has nothing to split"
         return {**plan, "algorithm": "flat", "reason": reason, "phases": phases, "flat_fraction_by_level": flat}
-    subgroups = level_subgroups(ranks, [s for _, s in spans])
+    subgroups = topo.level_subgroups(ranks, [s for _, s in spans])
     phases = [_phase(by_name[name], size, subgroups[j]) for j, (name, size) in reversed(list(enumerate(spans)))]
     return {
         **plan,

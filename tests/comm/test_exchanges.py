@@ -1,7 +1,8 @@
-"""Flat, flat-p2p (receives-first) and hierarchical all-to-all on real gloo process groups (torchrun, CPU).
+"""Flat, flat-p2p and hierarchical all-to-all and V-Major's sparse exchange on real gloo process
+groups (torchrun, CPU), with gloo's own rules and with a device backend's (``COCODIFF_DEVICE_SEMANTICS=1``).
 
-Each process start costs seconds on a small machine, so one launch per world size runs all
-cases (tests/workers/collectives_worker.py) and the tests below read its report.
+Each process start costs seconds on a small machine, so one launch per world size and mode runs
+all cases (tests/workers/collectives_worker.py) and the tests below read its report.
 """
 
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cocodiff_xfuser.comm.transport import DEVICE_SEMANTICS_ENV
 from cocodiff_xfuser.tools.launcher import TorchrunError, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,24 +19,37 @@ WORKER = REPO / "tests" / "workers" / "collectives_worker.py"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 CASES = [
     "sparse", "v_major_layer", "agreement", "semantics", "layouts", "subgroups", "async", "uneven", "p2p", "p2p_async",
-    "pipelined", "ulysses_layout",
+    "pipelined", "ulysses_layout", "same_path",
 ]
+MODES = {"gloo": {}, "device-semantics": {DEVICE_SEMANTICS_ENV: "1"}}
 
 
-def run_cases(nproc: int) -> str:
-    return torchrun(nproc, [str(WORKER), "--cases", ",".join(CASES)], env=ENV, timeout=240).stdout
+def run_cases(nproc: int, cases: list[str], env: dict[str, str]) -> str:
+    return torchrun(nproc, [str(WORKER), "--cases", ",".join(cases)], env=ENV | env, timeout=240).stdout
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[int, str]:
+def reports() -> dict[tuple[str, int], str]:
     # 4 ranks: 2x2; 8 ranks: 2x4, 4x2, 2x2x2 and sub-group layouts.
-    return {n: run_cases(n) for n in (4, 8)}
+    return {(mode, n): run_cases(n, CASES, env) for mode, env in MODES.items() for n in (4, 8)}
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("nproc", [4, 8])
 @pytest.mark.parametrize("case", CASES)
-def test_case(reports, nproc, case):
-    assert f"CASE {case} ok" in reports[nproc], reports[nproc]
+def test_case(reports, mode, nproc, case):
+    assert f"CASE {case} ok" in reports[mode, nproc], reports[mode, nproc]
+
+
+def test_device_semantics_catches_a_misordered_batch():
+    """A batch listing its receives before its sends (gloo's order) passes on gloo; under device
+    semantics it is replayed as oneCCL would (torchcomms PR #2885) and ends with the one-line fault."""
+    assert "CASE misordered ok" in run_cases(2, ["misordered"], {})
+    with pytest.raises(TorchrunError) as info:
+        run_cases(2, ["misordered"], MODES["device-semantics"])
+    output = info.value.result.stdout + info.value.result.stderr
+    assert "exchange 'misordered' (flat-p2p over the world) did not complete" in output, output
+    assert "(device semantics)" in output and "ending the job" in output, output
 
 
 def test_launcher_reports_failures(tmp_path):

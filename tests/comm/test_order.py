@@ -1,7 +1,8 @@
 """One program order: with the order audit on, every rank launches the same collectives, on the
 same communicators, in the same order, for every tiny model under V-First, TAPA and V-Major (4
 ranks, 2 nodes x 2, the hierarchical exchange forced so that phases on sub-groups are in flight,
-V-Major's sparse exchanges in two phases from the second step on, with rank-local masks)."""
+V-Major's sparse exchanges in two phases from the second step on, with rank-local masks), with
+gloo's own rules and with a device backend's (``COCODIFF_DEVICE_SEMANTICS=1``, which turns the audit on)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import pytest
 
 from cocodiff_xfuser.comm.order import AUDIT_ENV
+from cocodiff_xfuser.comm.transport import DEVICE_SEMANTICS_ENV
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
@@ -18,14 +20,17 @@ from cocodiff_xfuser.tools.verify import Run
 MODELS = sorted(tiny_models.SPECS)
 
 
-@pytest.fixture(scope="module")
-def audited(tmp_path_factory):
+MODES = {"audit": {AUDIT_ENV: "1"}, "device-semantics": {DEVICE_SEMANTICS_ENV: "1"}}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def audited(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("order")
     flags = ("--cocodiff_a2a", "hierarchical", "--cocodiff_v_major", "on", "--cocodiff_v_major_warmup_steps", "0")
     run = Run(model=MODELS[0], ulysses_degree=4, topology="2x2", v_first=True, extra=flags)
     argv = run.argv(("cocodiff",), out)
     argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in MODELS)
-    launcher.torchrun(run.world_size, argv, env={AUDIT_ENV: "1"}, timeout=900)
+    launcher.torchrun(run.world_size, argv, env=MODES[request.param], timeout=900)
     return out
 
 

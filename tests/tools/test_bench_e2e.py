@@ -13,7 +13,7 @@ from cocodiff_xfuser.tools.bench import e2e as bench_e2e
 ok, why = fabric.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"emulated fabric unavailable: {why}")
 
-CONFIG_KEYS = ("name", "step_s", "comm_s", "slow_link_bytes", "max_abs_diff", "psnr_db", "ssim", "speedup_vs_stock")
+CONFIG_KEYS = ("name", "step_s", "comm_s", "slow_link_bytes", "max_abs_diff", "psnr_db", "ssim", "speedup_vs_stock", "speedup_vs_fair")
 
 
 def test_e2e_smoke_is_lossless_and_complete():
@@ -30,6 +30,9 @@ def test_e2e_smoke_is_lossless_and_complete():
             assert config["bitwise_equal"] and config["max_abs_diff"] == 0.0 and math.isinf(config["psnr_db"])
             assert config["v_major_active_fraction"] is None
     configs = {c["name"]: c for c in report["configs"]}
+    # The fair baseline is stock's algorithm on the fair flat exchange: it ran, and only it.
+    assert set(configs["fair-flat"]["exchanges_by_algorithm"]) == {"flat-p2p"}, configs["fair-flat"]
+    assert configs["fair-flat"]["speedup_vs_fair"] == 1.0
     assert {o["label"] for o in configs["tapa+vfirst"]["v_overlap"]} == {"flux.double.v", "flux.single.v"}
     # V-Major ran, left tokens out, and the fabric's counters saw fewer bytes on the slow links.
     vmajor = configs["tapa+vfirst+vmajor"]

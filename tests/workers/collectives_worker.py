@@ -10,6 +10,7 @@ case that passed on all ranks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -23,22 +24,12 @@ import dataclasses
 
 import cocodiff_xfuser.comm.autotune as autotune
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import layout, order, sparse
+from cocodiff_xfuser.comm import faults, layout, order, sparse, transport
 from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll, size_bucket
-from cocodiff_xfuser.comm.flat import (
-    FlatHandle,
-    ReceivesFirstHandle,
-    backend_name,
-    flat_all_to_all,
-    p2p_all_to_all,
-    post_receives_first,
-    start_flat_all_to_all,
-    start_p2p_all_to_all,
-    uses_receives_first,
-)
+from cocodiff_xfuser.comm.flat import FlatHandle, P2PHandle, flat_all_to_all, p2p_all_to_all, start_flat_all_to_all, start_p2p_all_to_all
 from cocodiff_xfuser.comm.registry import ALGORITHMS, Registry
-from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle
+from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle, TwoLevelHandle
 from cocodiff_xfuser.comm.topology import Topology
 from cocodiff_xfuser.tools import same_bits
 
@@ -83,13 +74,9 @@ def check_against_flat(hier: HierarchicalAllToAll, group, size: int, dtypes=DTYP
             continue
         got = hier(x, group)
         check(same_bits(ref, got), f"{tag} {dtype} {shape}: hierarchical != flat")
-        check(same_bits(hier.start(x, group).wait(), ref), f"{tag} {dtype} {shape}: async != flat")
-        # gloo: the default phases above are receives-first p2p; the gloo collective phases too.
-        check(same_bits(hier(x, group, receives_first=False), ref), f"{tag} {dtype} {shape}: collective phases")
-        check(
-            same_bits(hier.start(x, group, receives_first=False).wait(), ref),
-            f"{tag} {dtype} {shape}: async collective phases",
-        )
+        h = hier.start(x, group)
+        h.advance()
+        check(same_bits(h.wait(), ref), f"{tag} {dtype} {shape}: async != flat")
         check(same_bits(x, x_before), f"{tag} {dtype} {shape}: input modified")
 
 
@@ -126,13 +113,12 @@ def case_pipelined() -> None:
                 x = rand_bits((WORLD * parts * 6,), dtype, 900 + seed)
                 x_before, ref = x.clone(), flat_all_to_all(x)
                 check(same_bits(hier(x, parts=parts), ref), f"{spec} x{parts} {dtype}: != flat")
-                for receives_first in (True, False):
-                    h = hier.start(x, receives_first=receives_first, parts=parts)
-                    h.progress()
-                    check(same_bits(h.wait(), ref), f"{spec} x{parts} {dtype} receives_first={receives_first}: != flat")
+                h = hier.start(x, parts=parts)
+                h.advance()
+                check(same_bits(h.wait(), ref), f"{spec} x{parts} {dtype}: advanced != flat")
                 check(same_bits(x, x_before), f"{spec} x{parts} {dtype}: input modified")
             xs = [rand_bits((WORLD * parts * 64,), torch.float32, 950 + i) for i in range(3)]
-            handles = [hier.start(xs[0], parts=parts), hier.start(xs[1]), hier.start(xs[2], parts=parts, pollable=False)]
+            handles = [hier.start(xs[0], parts=parts), hier.start(xs[1]), hier.start(xs[2], parts=parts)]
             for i in (2, 0, 1):  # waited out of start order
                 check(same_bits(handles[i].wait(), flat_all_to_all(xs[i])), f"{spec} x{parts}: in flight #{i}")
             copied = []
@@ -143,14 +129,16 @@ def case_pipelined() -> None:
             check(copied[0] == copied[1], f"{spec} x{parts}: pipelining copied {copied[1]} bytes, one part {copied[0]}")
         check(hier.reason(torch.zeros(WORLD * 3), None, parts=2) is not None, f"{spec}: indivisible parts refused")
     # One program order: with the audit on, every rank launches the same sequence, whatever
-    # completes first (several pipelined exchanges in flight, progressed and waited out of order).
+    # completes first (several pipelined exchanges in flight, advanced and waited out of order).
     hier = HierarchicalAllToAll(Topology.parse(next(iter(_topologies()))), [list(range(WORLD))])
     saved, order._launches = order._launches, []
     try:
         xs = [rand_bits((WORLD * 4 * 256,), torch.float32, 990 + i) for i in range(3)]
         handles = [hier.start(xs[0], parts=4), hier.start(xs[1], parts=2), hier.start(xs[2])]
+        if RANK % 2:
+            time.sleep(0.05)  # completion timing differs between ranks; the launches must not
         for h in handles:
-            h.progress()
+            h.advance()
         for i in (1, 2, 0):
             check(same_bits(handles[i].wait(), flat_all_to_all(xs[i])), f"audited pipeline #{i}")
         sequences = [None] * WORLD
@@ -177,20 +165,20 @@ def case_ulysses_layout() -> None:
     for spec, levels in _topologies().items():
         hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
         canonical, inner_first = tuple(range(len(levels))), (len(levels) - 1, *range(len(levels) - 1))
-        check(hier.input_layout() == (canonical if len(levels) == 2 else inner_first), f"{spec}: {hier.input_layout()}")
-        for receives_first, order_ in ((True, hier.input_layout()), (False, inner_first)):
-            data = layout.heads((q, k), levels, order_)
-            got = hier.start(data.view(-1), receives_first=receives_first, layout=order_).wait()
-            check(same_bits(got.view(ref.shape), ref), f"{spec} receives_first={receives_first}: layout {order_} != flat")
-            copied = []
-            for x, given in ((data, order_), (stacked, None)):
-                before = commstats.ran()["copied_bytes"]
-                hier.start(x.view(-1), receives_first=receives_first, layout=given, pollable=False).wait()
-                copied.append(commstats.ran()["copied_bytes"] - before)
-            if order_ != canonical:
-                check(copied[0] < copied[1], f"{spec}: the layout {order_} saves the first re-blocking: {copied}")
-            if receives_first and len(levels) == 2:  # chunks sent in place: only the own chunk is copied
-                check(copied == [nbytes // WORLD] * 2, f"{spec}: two-level copies {copied}, own chunk {nbytes // WORLD}")
+        order_ = hier.input_layout()
+        check(order_ == (canonical if len(levels) == 2 else inner_first), f"{spec}: {order_}")
+        data = layout.heads((q, k), levels, order_)
+        got = hier.start(data.view(-1), layout=order_).wait()
+        check(same_bits(got.view(ref.shape), ref), f"{spec}: layout {order_} != flat")
+        copied = []
+        for x, given in ((data, order_), (stacked, None)):
+            before = commstats.ran()["copied_bytes"]
+            hier.start(x.view(-1), layout=given).wait()
+            copied.append(commstats.ran()["copied_bytes"] - before)
+        if order_ != canonical:
+            check(copied[0] < copied[1], f"{spec}: the layout {order_} saves the first re-blocking: {copied}")
+        if len(levels) == 2:  # chunks sent in place: only the own chunk is copied
+            check(copied == [nbytes // WORLD] * 2, f"{spec}: two-level copies {copied}, own chunk {nbytes // WORLD}")
 
 
 def case_subgroups() -> None:
@@ -225,34 +213,30 @@ def case_subgroups() -> None:
 
 
 def case_async() -> None:
-    """Several exchanges in flight, advanced differently on different ranks."""
+    """Several exchanges in flight, advanced and waited out of start order, the same program on every
+    rank but different completion timing: the results are bitwise flat's."""
     spec = {4: "2x2", 8: "2x2x2"}[WORLD]
     topo = Topology.parse(spec)
     hier = HierarchicalAllToAll(topo, [list(range(WORLD))])
     n = WORLD * 4096
     xs = [rand_bits((n,), torch.float32, 100 + i) for i in range(5)]
     refs = [flat_all_to_all(x) for x in xs]
-    # Ranks whose second-phase coordinate is 1 push exchange A ahead; their peers in that
-    # sub-group do not. Launch order per sub-group must still agree (same-size exchanges would
-    # silently swap data otherwise).
-    eager = topo.coords(RANK)[-2] == 1
+    slow = topo.coords(RANK)[-2] == 1  # these ranks reach every program point late
     a = hier.start(xs[0])
-    check(isinstance(a, HierarchicalHandle), "hierarchical handle expected")
-    if eager:
-        deadline = time.monotonic() + 0.3
-        while not a.progress() and time.monotonic() < deadline:
-            time.sleep(0.001)
+    check(isinstance(a, TwoLevelHandle if WORLD == 4 else HierarchicalHandle), f"{spec}: handle {type(a).__name__}")
+    if slow:
+        time.sleep(0.05)
+    a.advance()
     b = hier.start(xs[1])
     c = start_flat_all_to_all(xs[2])
-    e = hier.start(xs[4], pollable=False)
-    d = hier(xs[3])  # blocking call while others are in flight (as autotune would do)
-    if not eager:
-        b.progress()
-    got_b = b.wait()  # waiting B first forces A's pending launches first
+    e = hier.start(xs[4], parts=2)
+    d = hier(xs[3])  # blocking call while others are in flight (as the autotune would do)
+    b.advance()
+    got_b = b.wait()  # waited before a, which started first
     got = [a.wait(), got_b, c.wait(), d, e.wait()]
     for i, (g, r) in enumerate(zip(got, refs)):
         check(same_bits(g, r), f"in-flight exchange {i} differs from flat")
-    check(all(h.progress() for h in (a, b, c, e)), "progress after wait")
+    check(all(h.advance() for h in (a, b, c, e)), "advance after wait")
     check(a.wait() is got[0], "wait must be idempotent")
     # Results must not alias reusable buffers: later exchanges must not change them. A fresh
     # plan starts with an empty buffer pool, which makes reuse patterns deterministic.
@@ -290,24 +274,21 @@ def case_uneven() -> None:
 
 
 def case_p2p() -> None:
-    """Receives-first exchanges: primitive, flat-p2p handle, fallbacks, bitwise vs all_to_all_single."""
-    check(backend_name() == "gloo" and uses_receives_first(), f"world backend {backend_name()!r} should be gloo")
-    check(backend_name(None, "cuda") == "gloo", "device lookup in 'cpu:gloo,cuda:gloo'")
-    check(not uses_receives_first(None, "cuda"), "receives-first is for CPU tensors only")
-    # The primitive against dist.all_to_all_single (the c10d op, not the functional wrapper).
+    """The fair flat exchange (one batch): bitwise all_to_all_single for every dtype and layout."""
+    check(transport.backend_name() == "gloo", f"world backend {transport.backend_name()!r} should be gloo")
+    check(transport.backend_name(None, "cuda") == "gloo", "device lookup in 'cpu:gloo,cuda:gloo'")
     for dtype in DTYPES:
-        for numel in (WORLD, WORLD * 7, WORLD * 65536 + 0):
+        for numel in (WORLD, WORLD * 7, WORLD * 65536):
             x = rand_bits((numel,), dtype, 7).view(-1)
             ref = torch.empty_like(x.view(torch.uint8) if dtype.itemsize == 1 else x)
             dist.all_to_all_single(ref, x.view(ref.dtype))
             out = torch.empty_like(ref)
-            works = post_receives_first(out, x.view(ref.dtype))
-            for w in works:
-                w.wait()
-            check(same_bits(out, ref), f"post_receives_first {dtype} {numel} != all_to_all_single")
-            check(len(works) == 2 * (WORLD - 1), f"expected {2 * (WORLD - 1)} works, got {len(works)}")
+            with transport.tracing() as trace:
+                transport.exchange_chunks(out, x.view(ref.dtype), dist.group.WORLD, "test").wait()
+            check(same_bits(out, ref), f"exchange_chunks {dtype} {numel} != all_to_all_single")
+            check(len(trace) == 1 and len(trace[0][1]) == 2 * (WORLD - 1), f"one batch of {2 * (WORLD - 1)} operations: {trace}")
     try:
-        post_receives_first(torch.zeros(WORLD + 1), torch.zeros(WORLD + 1))
+        transport.exchange_chunks(torch.zeros(WORLD + 1), torch.zeros(WORLD + 1), dist.group.WORLD, "test")
         check(False, "indivisible size accepted")
     except ValueError:
         pass
@@ -318,8 +299,8 @@ def case_p2p() -> None:
         x_before = x.clone()
         ref = flat_all_to_all(x)
         handle = start_p2p_all_to_all(x)
-        check(isinstance(handle, ReceivesFirstHandle), "gloo equal splits must use the receives-first handle")
-        check(handle.progress(), "flat-p2p has a single phase: progress is True at once")
+        check(isinstance(handle, P2PHandle), "equal splits use the p2p handle")
+        check(handle.advance(), "flat-p2p has a single phase: advance is True at once")
         got = handle.wait()
         check(same_bits(got, ref), f"flat-p2p {dtype} {shape} != flat")
         check(handle.wait() is got, "wait must be idempotent")
@@ -330,36 +311,27 @@ def case_p2p() -> None:
 
 
 def case_p2p_async() -> None:
-    """Receives-first exchanges in flight together: flat-p2p, pollable and blocking hierarchical
-    p2p phases, gloo collectives, same sizes on the same groups, advanced differently per rank."""
+    """Batches of several exchanges in flight on the same groups and sizes (flat-p2p, two- and
+    k-level, pipelined, collectives), waited out of order: messages match by issue order alone."""
     spec = {4: "2x2", 8: "2x2x2"}[WORLD]
     topo = Topology.parse(spec)
     hier = HierarchicalAllToAll(topo, [list(range(WORLD))])
     n = WORLD * 8192
-    xs = [rand_bits((n,), torch.bfloat16, 500 + i) for i in range(8)]
+    xs = [rand_bits((n,), torch.bfloat16, 500 + i) for i in range(7)]
     refs = [flat_all_to_all(x) for x in xs]
-    eager = topo.coords(RANK)[-2] == 1
-    a = hier.start(xs[0])  # p2p phases, pollable: waiter thread on every non-final phase
-    check(isinstance(a, HierarchicalHandle) and a._p2p, "gloo hierarchical handles use receives-first phases")
+    a = hier.start(xs[0])
     b = start_p2p_all_to_all(xs[1])
     c = hier.start(xs[2])
-    if eager:
-        # The waiter thread lets progress launch later phases without any wait() call.
-        deadline = time.monotonic() + 10
-        while not a.progress() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        check(a.progress(), "progress never launched the last phase of a receives-first handle")
-    d = start_p2p_all_to_all(xs[3])  # same size and group as b: matched in posting order
-    e = hier.start(xs[4], receives_first=False)  # gloo collective phases alongside p2p ones
-    f = hier.start(xs[5], pollable=False)
-    g = hier(xs[6])  # blocking while others are in flight
-    h = start_flat_all_to_all(xs[7])
-    if not eager:
-        c.progress()
-    got_c = c.wait()  # forces a's pending launches first on the non-eager ranks
-    got = [a.wait(), b.wait(), got_c, d.wait(), e.wait(), f.wait(), g, h.wait()]
+    a.advance()
+    d = start_p2p_all_to_all(xs[3])  # same size and group as b: matched in issue order
+    e = hier.start(xs[4], parts=4)
+    f = hier(xs[5])  # blocking while others are in flight
+    g = start_flat_all_to_all(xs[6])
+    c.advance()
+    got_c = c.wait()
+    got = [a.wait(), b.wait(), got_c, d.wait(), e.wait(), f, g.wait()]
     for i, (gt, r) in enumerate(zip(got, refs)):
-        check(same_bits(gt, r), f"in-flight receives-first exchange {i} differs from flat")
+        check(same_bits(gt, r), f"in-flight exchange {i} differs from flat")
     # Results never alias pool buffers, and inputs may be reused once waited.
     fresh = HierarchicalAllToAll(topo, [list(range(WORLD))])
     x = rand_bits((n,), torch.float32, 600)
@@ -485,7 +457,7 @@ def case_autotune(tmpdir: str) -> None:
         forced = AutoAllToAll(registry, a2a="flat-p2p")
         ref = flat_all_to_all(xs[0])
         p2p = forced.registry[forced.choose(xs[0])]
-        check(isinstance(p2p.start(xs[0], None), ReceivesFirstHandle), "flat-p2p override must start a p2p handle")
+        check(isinstance(p2p.start(xs[0], None), P2PHandle), "flat-p2p override must start a p2p handle")
         check(same_bits(p2p.run(xs[0], None), ref) and same_bits(p2p.start(xs[0], None).wait(), ref), "flat-p2p override != flat")
         flat = AutoAllToAll(registry, a2a="flat")
         check(isinstance(flat.registry[flat.choose(xs[0])].start(xs[0], None), FlatHandle), "flat override: stock handle")
@@ -591,14 +563,14 @@ def case_sparse() -> None:
                 into = prev.clone()
                 got = sparse.SparseHandle(x, rows, sel, level, group, two_phase, into).wait()
                 check(got is into and same_bits(got, want), f"{spec} {p, s, d} two_phase={two_phase}: wrong rows")
-            # Two in flight (V, then Q/K with the same masks), the slow phase launched by progress on some ranks.
+            # Two in flight (V, then Q/K with the same masks), V's slow phase launched by advance,
+            # some ranks late.
             into_v, into_qk = prev.clone(), prev.clone()
             hv = sparse.SparseHandle(x, rows, sel, level, group, True, into_v)
             hqk = sparse.SparseHandle(x * 2, rows * 2, sel, level, group, True, into_qk)
             if RANK % 2:
                 time.sleep(0.05)
-                hv.progress()
-                hqk.progress()
+            hv.advance()
             check(same_bits(hqk.wait(), _sparse_expected(x * 2, prev, sel, level, group)), f"{spec}: second in flight")
             check(same_bits(hv.wait(), want), f"{spec}: first in flight, waited last")
             # Everything active: the exact exchange, bitwise.
@@ -674,7 +646,92 @@ def case_v_major_layer() -> None:
     check(commstats.ran()["fallbacks"]["v-major: cache budget"] == before + 1, "the budget fall-back is counted")
 
 
+def _every_exchange(spec: str) -> list[torch.Tensor]:
+    """One exchange of every kind on the world: flat-p2p, TAPA (plain, advanced, pipelined), and
+    V-Major's sparse one- and two-phase exchanges with uneven and empty masks."""
+    topo = Topology.parse(spec)
+    hier = HierarchicalAllToAll(topo, [list(range(WORLD))])
+    x = rand_bits((WORLD * 4 * 64,), torch.float32, 31)
+    h = hier.start(x)
+    h.advance()
+    out = [p2p_all_to_all(x), hier(x), h.wait(), hier(x, parts=2)]
+    level = sparse.build_slow_levels(topo, [list(range(WORLD))])[tuple(range(WORLD))]
+    v = torch.randn(WORLD, 2, 12, 4, generator=torch.Generator().manual_seed(RANK))
+    mask = torch.arange(12) % (RANK + 2) == 0 if RANK else torch.zeros(12, dtype=torch.bool)
+    sel = sparse.agree_selection(mask, dist.group.WORLD)
+    rows = v.index_select(2, sel.active)
+    for two_phase in (False, True):
+        out.append(sparse.SparseHandle(v, rows, sel, level, dist.group.WORLD, two_phase, torch.zeros_like(v)).wait())
+    return out
+
+
+@contextlib.contextmanager
+def _reported_as(backend: str):
+    """The transport sees ``backend`` for every group (gloo underneath runs the batches); counts the
+    calls of ``dist.batch_isend_irecv``."""
+    calls = [0]
+    saved_name, saved_batch = transport.backend_name, dist.batch_isend_irecv
+
+    def batch(ops):
+        calls[0] += 1
+        return saved_batch(ops)
+
+    transport.backend_name = lambda group=None, device="cpu": backend
+    dist.batch_isend_irecv = batch
+    try:
+        yield calls
+    finally:
+        transport.backend_name, dist.batch_isend_irecv = saved_name, saved_batch
+
+
+def case_same_path() -> None:
+    """Every exchange posts the same batches with the backend reported as gloo, nccl and xccl: the
+    same operations in the same batches in the same sequence, only their order inside a batch
+    differs (gloo receives first, XCCL sends first, NCCL as listed); and the same results."""
+    for spec in {4: ["2x2"], 8: ["2x4", "2x2x2"]}[WORLD]:
+        traces, calls, outs = {}, {}, {}
+        for backend in ("gloo", "nccl", "xccl"):
+            with _reported_as(backend) as count, transport.tracing() as trace:
+                outs[backend] = _every_exchange(spec)
+            traces[backend], calls[backend] = trace, count[0]
+        gloo = traces["gloo"]
+        check(len(gloo) > 10, f"{spec}: {len(gloo)} batches traced")
+        roles = {role for role, _ in gloo}
+        check(any("sparse phase 2" in r for r in roles) and any("forwarded halves" in r or "phase 3" in r for r in roles), f"{spec}: {roles}")
+        for backend, trace in traces.items():
+            check([r for r, _ in trace] == [r for r, _ in gloo], f"{spec}: {backend} posts other batches than gloo")
+            check(all(sorted(a) == sorted(b) for (_, a), (_, b) in zip(trace, gloo)), f"{spec}: {backend} batches differ")
+            check(all(same_bits(a, b) for a, b in zip(outs[backend], outs["gloo"])), f"{spec}: {backend} results differ")
+        sends_first = {"gloo": transport.device_semantics(), "nccl": False, "xccl": True}
+        for backend, trace in traces.items():
+            for role, ops in trace:
+                kinds = [op for op, _, _ in ops]
+                want = sorted(kinds, key=lambda k: (k == "recv") == sends_first[backend])
+                check(kinds == want, f"{spec}: {backend} order inside '{role}': {kinds}")
+        check(calls["nccl"] == calls["xccl"] == len(gloo), f"{spec}: one batch_isend_irecv per batch: {calls}")
+        check(calls["gloo"] == (0 if transport.device_semantics() else len(gloo)), f"{spec}: gloo calls {calls['gloo']}")
+
+
+def case_misordered() -> None:
+    """A batch that lists every receive before its send (gloo's order) where the backend replays a
+    batch in order, as oneCCL does: correct on gloo, a hang under device semantics that ends with
+    the one-line fault message."""
+    saved = transport._order
+    transport._order = lambda backend: "receives first"
+    x = rand_bits((WORLD * 1024,), torch.float32, 41)
+    try:
+        faults.configure(5.0)
+        got = p2p_all_to_all(x)
+    except faults.ExchangeFailed as e:
+        faults.abort(RANK, "misordered", "flat-p2p over the world", 5.0, e)
+    finally:
+        transport._order = saved
+    check(same_bits(got, flat_all_to_all(x)), "a receives-first batch on gloo")
+
+
 CASES = {
+    "same_path": case_same_path,
+    "misordered": case_misordered,
     "v_major_layer": case_v_major_layer,
     "sparse": case_sparse,
     "agreement": case_agreement,

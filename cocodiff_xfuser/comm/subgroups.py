@@ -1,0 +1,30 @@
+"""The sub-groups cocodiff's exchanges run on, each created once for TAPA and V-Major alike.
+
+``dist.new_group`` is collective over the world: every rank must create every sub-group, in the
+same order. Callers pass the same rank sets in the same order on every rank (they derive them
+from the agreed topology and the gathered Ulysses groups); a set created before is reused, on
+every rank alike, so a two-level group's levels serve TAPA's phases and V-Major's two phases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from . import faults
+
+_created: dict[tuple[int, ...], Any] = {}
+
+
+def member_of(rank_sets: Sequence[Sequence[int]]) -> Any:
+    """Create the process group of every set in ``rank_sets`` not created yet (collective, with
+    cocodiff's timeout) and return the one that holds this rank (None if none does)."""
+    rank, mine = dist.get_rank(), None
+    for ranks in rank_sets:
+        key = tuple(sorted(ranks))
+        if key not in _created:
+            _created[key] = dist.new_group(list(key), timeout=faults.timeout())
+        if rank in key:
+            mine = _created[key]
+    return mine

@@ -1,0 +1,225 @@
+"""Batches of point-to-point operations: the one transport of every cocodiff exchange, and the only
+module that knows backends.
+
+Every exchange (``flat-p2p``, TAPA's phases, the two-level relay, pipelined parts, V-Major's sparse
+exchanges) is a sequence of *batches*: one phase's receives and sends over one group. A batch is
+posted with :func:`post` and completes with :meth:`Completion.wait`. The code path is the same on
+every backend: ``dist.batch_isend_irecv`` of the batch's operations (NCCL runs it as one
+``ncclGroupStart/End``, which is how NCCL builds its own all-to-all; XCCL as one oneCCL group; gloo
+issues the operations one by one in list order, see ``torch.distributed.batch_isend_irecv``). Only
+the order of the operations inside a batch differs, here and nowhere else:
+
+* ``gloo``: every receive before any send. gloo's tcp transport queues a rank's "ready to receive"
+  notice behind that rank's outgoing data, so a receive posted after a large send serializes the
+  two directions of a pair (measured here: a 2-rank 8 MiB exchange took 2x the line-rate time on an
+  emulated 1 Gbit/s link; gloo's own ``all_to_all_single`` posts sends first and pays it);
+* ``xccl`` (and oneCCL's ``ccl``): every send before any receive. oneCCL replays grouped operations
+  in enqueue order and a receive blocks until its peer reaches the send: a batch that lists a
+  receive before its send deadlocked (meta-pytorch/torchcomms PR #2885);
+* ``nccl``: one group, any order (the canonical one: receives, then sends).
+
+Peers are visited staggered (receive from me-1, me-2, ...; send to me+1, me+2, ...) so that ranks do
+not all target the same peer first. Zero-size pieces are left out on both sides (both know the sizes).
+
+No tags. NCCL ignores them and matches a pair's messages on one communicator by issue order, so
+every batch uses the same tag and correctness rests on the issue order alone, which the rule of
+:mod:`.order` makes the same on every rank: batches are posted only at points of the program (an
+exchange's start, ``advance``, ``wait``), never because something completed.
+
+Waiting (:meth:`Completion.wait`) is the other per-backend difference: on gloo it blocks the host
+with the job's timeout; on NCCL/XCCL ``work.wait()`` only makes the current stream wait (a timeout
+argument would turn it into a host-side busy wait, torch's ``WorkNCCL::synchronizeInternal``), and
+the group's own timeout, set when cocodiff creates it, bounds the operation.
+
+Device semantics (``COCODIFF_DEVICE_SEMANTICS=1``): gloo runs what a device backend would. Batches
+take XCCL's order and run as oneCCL replays them: operation by operation, each receive completing
+before the next operation is posted, so an exchange whose batches only work in gloo's order hangs
+(and times out with the one-line fault message) instead of passing; the order audit of
+:mod:`.order` is on. The CPU stand-in for NCCL's and XCCL's rules until multi-GPU tests can run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import commstats
+from . import faults, order
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+DEVICE_SEMANTICS_ENV = "COCODIFF_DEVICE_SEMANTICS"
+#: The one tag of every message (see the module docstring: correctness never depends on it).
+TAG = 0
+_RECEIVES_FIRST = ("gloo",)
+_SENDS_FIRST = ("xccl", "ccl")
+
+_device_semantics = os.environ.get(DEVICE_SEMANTICS_ENV, "") not in ("", "0")
+_backend_cache: dict[tuple[Any, str], str] = {}
+_group_cache: dict[Any, tuple[int, int]] = {}
+#: When a list: every posted batch as ``("role: what", [(op, peer, bytes), ...])``, in posting order.
+_trace: list[tuple[str, list[tuple[str, int, int]]]] | None = None
+
+
+def device_semantics() -> bool:
+    """Whether gloo runs with a device backend's rules (``COCODIFF_DEVICE_SEMANTICS=1``)."""
+    return _device_semantics
+
+
+def backend_name(group: Any = None, device: torch.device | str = "cpu") -> str:
+    """Name of the backend that runs operations of ``group`` on ``device`` (``"gloo"``, ``"nccl"``...)."""
+    group = group if group is not None else dist.group.WORLD
+    dev = torch.device(device).type
+    key = (group, dev)
+    if key not in _backend_cache:
+        config = str(dist.get_backend_config(group))  # "gloo", or "cpu:gloo,cuda:nccl"
+        by_device = dict(item.split(":", 1) for item in config.split(",") if ":" in item)
+        _backend_cache[key] = by_device.get(dev, config if not by_device else "").lower()
+    return _backend_cache[key]
+
+
+def group_info(group: Any) -> tuple[int, int]:
+    """(this rank's group rank, group size), cached."""
+    if group not in _group_cache:
+        _group_cache[group] = (dist.get_rank(group), dist.get_world_size(group))
+    return _group_cache[group]
+
+
+def _order(backend: str) -> str:
+    if backend in _RECEIVES_FIRST and not _device_semantics:
+        return "receives first"
+    if backend in _SENDS_FIRST or backend in _RECEIVES_FIRST:
+        return "sends first"
+    return "one group"
+
+
+def post(
+    recv: Sequence[Sequence[torch.Tensor]],
+    send: Sequence[Sequence[torch.Tensor]],
+    group: Any,
+    role: str | None,
+    what: str,
+    buffers: Sequence[torch.Tensor] = (),
+) -> Completion:
+    """Post one batch over ``group``: receive ``recv[src]`` from every peer and send ``send[dst]`` to
+    every peer (indexed by group rank; this rank's own entries are left alone, each entry a list of
+    contiguous pieces matched in order by the peer). ``role`` names the communicator and ``what``
+    the batch, the same way on every rank (the order audit, fault messages; default role: the
+    group's size); ``buffers`` are kept alive until the batch completes."""
+    me, world = group_info(group)
+    recvs = [(src, p) for i in range(1, world) for src in [(me - i) % world] for p in recv[src] if p.numel()]
+    sends = [(dst, p) for i in range(1, world) for dst in [(me + i) % world] for p in send[dst] if p.numel()]
+    order.launched(group, what, role=role)
+    where = f"{what} ({role or f'group of {world}'})"
+    device = next((p.device for _, p in recvs + sends), None)
+    if device is None:
+        return Completion([], "", group, where)
+    backend = backend_name(group, device)
+    how = _order(backend)
+    ops = [(dist.irecv, src, p) for src, p in recvs] + [(dist.isend, dst, p) for dst, p in sends]
+    if how == "sends first":
+        ops = ops[len(recvs):] + ops[: len(recvs)]
+    if _trace is not None:
+        _trace.append((f"{role}: {what}", [("recv" if op is dist.irecv else "send", peer, p.numel() * p.element_size()) for op, peer, p in ops]))
+    if _device_semantics and backend in _RECEIVES_FIRST:
+        return Completion(_replay(ops, group, where), backend, group, where, buffers)
+    works = dist.batch_isend_irecv([dist.P2POp(op, p, group=group, tag=TAG, group_peer=peer) for op, peer, p in ops])
+    return Completion(works, backend, group, where, buffers)
+
+
+def _replay(ops: list[tuple[Any, int, torch.Tensor]], group: Any, where: str) -> list[Any]:
+    """Run ``ops`` as oneCCL replays a group: in order, each receive complete before the next post."""
+    sends = []
+    for op, peer, p in ops:
+        if op is dist.isend:
+            sends.append(dist.isend(p, group=group, tag=TAG, group_dst=peer))
+            continue
+        try:
+            dist.irecv(p, group=group, tag=TAG, group_src=peer).wait(faults.timeout())
+        except RuntimeError as e:
+            raise faults.failed(f"{_where(where, group)}, receive from group rank {peer} (device semantics)", e) from e
+    return sends
+
+
+def exchange_chunks(out: torch.Tensor, inp: torch.Tensor, group: Any, what: str) -> Completion:
+    """The equal-split all-to-all ``inp`` -> ``out`` (contiguous, same size, W chunks) as one batch;
+    the own chunk is copied before returning."""
+    me, world = group_info(group)
+    if inp.numel() != out.numel() or inp.numel() % world:
+        raise ValueError(f"equal-split exchange needs equal sizes divisible by {world}: {inp.numel()}, {out.numel()}")
+    send, recv = inp.view(world, -1), out.view(world, -1)
+    done = post([[c] for c in recv], [[c] for c in send], group, None, what, (out, inp))
+    copy_own(recv[me], send[me])
+    return done
+
+
+def copy_own(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The chunk a rank keeps: a local copy, counted."""
+    dst.copy_(src)
+    commstats.count_copy(src.numel() * src.element_size())
+
+
+class Completion:
+    """A posted batch: :meth:`wait` completes it (see the module docstring for what waiting means
+    per backend) and raises :class:`faults.ExchangeFailed` naming the batch if it fails."""
+
+    def __init__(self, works: list[Any], backend: str, group: Any, where: str, buffers: Sequence[torch.Tensor] = ()) -> None:
+        self._works = [w for w in works if w is not None]
+        self._gloo = backend == "gloo"
+        self._group, self._where = group, where
+        self._buffers = list(buffers)  # memory the works read or write: alive until they complete
+        self._waited = not self._works
+
+    def __del__(self) -> None:
+        # Dropped without wait(): destroying gloo works before they complete cancels their buffers,
+        # and a peer's message would then match the NEXT batch's receive on this pair (wrong data
+        # or a hang). A thread owns them until they complete.
+        if not self._waited and self._gloo:
+            try:
+                threading.Thread(target=_drain, args=(self._works, self._buffers), name="cocodiff-p2p-drain", daemon=True).start()
+            except RuntimeError:  # interpreter shutting down: nothing left to protect
+                pass
+
+    def wait(self) -> None:
+        if self._waited:
+            return
+        try:
+            for w in self._works:
+                if self._gloo:
+                    w.wait(faults.timeout())
+                else:
+                    w.wait()
+        except RuntimeError as e:
+            raise faults.failed(_where(self._where, self._group), e) from e
+        self._waited = True
+        self._buffers = []
+
+
+def _where(where: str, group: Any) -> str:
+    return f"{where}, group {dist.get_process_group_ranks(group)}"
+
+
+def _drain(works: list[Any], buffers: list[torch.Tensor]) -> None:
+    try:
+        for w in works:
+            w.wait(faults.timeout())
+    except BaseException as e:  # nobody is left to raise it to
+        logger.warning("a point-to-point batch that was never waited on failed: %s", e)
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[list[tuple[str, list[tuple[str, int, int]]]]]:
+    """Record every batch posted inside the block: ``("role: what", [(op, group peer, bytes), ...])`` in the
+    backend's order (what the same-path test compares across backends)."""
+    global _trace
+    saved, _trace = _trace, []
+    try:
+        yield _trace
+    finally:
+        _trace = saved
