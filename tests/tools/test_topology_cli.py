@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from cocodiff_xfuser.comm import tapa
+from cocodiff_xfuser.comm import subgroups, tapa
 from cocodiff_xfuser.comm.topology import Topology
 from cocodiff_xfuser.tools import cli, topology_cli
 
@@ -209,7 +209,8 @@ def test_plan_matches_tapa(monkeypatch, spec, ulysses, ring, cfg):
     groups = topology_cli.parallel_groups(world, ulysses, ring, cfg)["ulysses"]
     plans = {tuple(p["ranks"]): p for p in (topology_cli.exchange_plan(topology, g) for g in groups)}
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
-    monkeypatch.setattr(dist, "new_group", lambda ranks, *a, **k: tuple(ranks))
+    monkeypatch.setattr(dist, "new_group", lambda ranks, *a, **k: list(ranks))  # a group is its ranks here
+    monkeypatch.setattr(subgroups, "_created", {})
     for rank in range(world):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
         exchange = tapa.HierarchicalAllToAll(topology, groups)
@@ -222,6 +223,6 @@ def test_plan_matches_tapa(monkeypatch, spec, ulysses, ring, cfg):
             continue
         assert list(built.levels) == [lv["size"] for lv in plan["levels"]]
         # tapa keeps this rank's sub-group per level, outermost first; the CLI lists phases innermost first.
-        for level_ranks, phase in zip(built.level_ranks, reversed(plan["phases"])):
+        for level_ranks, phase in zip(built.level_groups, reversed(plan["phases"])):
             assert level_ranks in phase["subgroups"]
             assert sorted(r for g in phase["subgroups"] for r in g) == sorted(mine)
