@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats, vmajor
-from cocodiff_xfuser.comm import faults, layout, order, sparse
+from cocodiff_xfuser.comm import faults, layout, order, sparse, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
@@ -87,8 +87,10 @@ class CocodiffBackend:
         groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
         order.launched(None, "all_gather_object")
         dist.all_gather_object(groups, dist.get_process_group_ranks(group))
-        # Statistics calibrate by waiting for V at once, which changes the launch order.
+        # Statistics calibrate by waiting for V at once, which changes the launch order; device
+        # semantics change the order inside every batch.
         agree(commstats.enabled(), "COCODIFF_COMM_STATS")
+        agree(transport.device_semantics(), transport.DEVICE_SEMANTICS_ENV)
         self.topology = _resolve_agreed(options.topology)
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)

@@ -152,7 +152,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
     """Send ``inp[j]`` to group rank j and receive ``out[i]`` from group rank i (sizes known on both
     sides) as one batch; the own piece is copied."""
-    done = transport.post([[t] for t in out], [[t] for t in inp], group, role, "rows")
+    done = transport.post([[t] for t in out], [[t] for t in inp], group, role, "rows", (*out, *inp))
     me = transport.group_info(group)[0]
     transport.copy_own(out[me], inp[me])
     return done

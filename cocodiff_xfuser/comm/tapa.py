@@ -50,7 +50,8 @@ class _BufferPool:
     """Recycles the 1-D intermediate buffers of hierarchical exchanges.
 
     A buffer is in the pool only while nobody uses it: handles take buffers out and put them
-    back once the collective reading them has completed. Buffers are never returned to callers.
+    back once the batch reading them has completed (on NCCL/XCCL: once the current stream waits
+    for it, so every later use, on that stream or a batch launched after it, comes after). Buffers are never returned to callers.
     """
 
     def __init__(self, per_key: int = 2, max_keys: int = 8) -> None:
@@ -91,7 +92,7 @@ def _pieces(chunk: torch.Tensor, skip: int, per_slot: bool) -> list[torch.Tensor
     pieces: list[torch.Tensor] = []
     for a, b in runs:
         if b > a:
-            pieces += list(chunk[a:b]) if per_slot else [chunk[a:b].reshape(-1)]
+            pieces += list(chunk[a:b]) if per_slot else [chunk[a:b].view(-1)]
     return pieces
 
 

@@ -27,9 +27,11 @@ every batch uses the same tag and correctness rests on the issue order alone, wh
 exchange's start, ``advance``, ``wait``), never because something completed.
 
 Waiting (:meth:`Completion.wait`) is the other per-backend difference: on gloo it blocks the host
-with the job's timeout; on NCCL/XCCL ``work.wait()`` only makes the current stream wait (a timeout
+with the job's timeout, and a failure ends the rank with the one-line fault message
+(:mod:`.faults`); on NCCL/XCCL ``work.wait()`` only makes the current stream wait (a timeout
 argument would turn it into a host-side busy wait, torch's ``WorkNCCL::synchronizeInternal``), and
-the group's own timeout, set when cocodiff creates it, bounds the operation.
+the group's own timeout, set when cocodiff creates it, bounds the operation: there the backend's
+watchdog ends a stalled job, with its own message.
 
 Device semantics (``COCODIFF_DEVICE_SEMANTICS=1``): gloo runs what a device backend would. Batches
 take XCCL's order and run as oneCCL replays them: operation by operation, each receive completing

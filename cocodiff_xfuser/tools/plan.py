@@ -492,7 +492,7 @@ def e2e_samples(path: Path, c: Coeffs) -> List[Tuple[Sample, float]]:
     for cfg in d["configs"]:
         name = cfg["name"]
         p = predict_step(spec, cl, c, size=d["size"], ulysses=d["ulysses_degree"], steps=d["steps"],
-                         algorithm="flat" if name == "stock" else "best", v_first="vfirst" in name,
+                         algorithm={"stock": "flat", "fair-flat": "flat_p2p"}.get(name, "best"), v_first="vfirst" in name,
                          v_major=cfg["v_major_active_fraction"] if "vmajor" in name else None,
                          compute_layer_s=compute_layer)
         if abs(p["bytes"] - cfg["bytes_per_step"]) > 0.01 * cfg["bytes_per_step"]:

@@ -210,6 +210,7 @@ def test_plan_matches_tapa(monkeypatch, spec, ulysses, ring, cfg):
     plans = {tuple(p["ranks"]): p for p in (topology_cli.exchange_plan(topology, g) for g in groups)}
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "new_group", lambda ranks, *a, **k: list(ranks))  # a group is its ranks here
+    monkeypatch.setattr(dist, "barrier", lambda group=None, *a, **k: None)
     monkeypatch.setattr(subgroups, "_created", {})
     for rank in range(world):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
