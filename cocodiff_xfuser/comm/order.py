@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 AUDIT_ENV = "COCODIFF_ORDER_AUDIT"
-_ON = ("COCODIFF_ORDER_AUDIT", "COCODIFF_DEVICE_SEMANTICS")  # the latter: transport.DEVICE_SEMANTICS_ENV
+_ON = (AUDIT_ENV, "COCODIFF_DEVICE_SEMANTICS")  # the latter is transport.DEVICE_SEMANTICS_ENV
 
 _launches: list[tuple[str, str]] | None = [] if any(os.environ.get(v, "") not in ("", "0") for v in _ON) else None
 

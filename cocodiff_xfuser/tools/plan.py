@@ -333,8 +333,9 @@ def _a2a_reports(paths: Sequence[Path]) -> List[dict]:
 
 
 def a2a_samples(report: dict, floor: bool = False) -> List[Sample]:
-    """Samples of one a2a report per size: flat, hierarchical, and the chosen exchange when it is
-    neither (``flat_p2p``, pipelined ``hierarchical_xP``); with ``floor`` the host floors instead
+    """Samples of one a2a report per size: flat (stock), flat_p2p (the fair flat exchange),
+    hierarchical, and the chosen exchange when it is none of them (pipelined ``hierarchical_xP``);
+    with ``floor`` the host floors instead
     (emulated fabrics only: the same exchanges at 100x the line rates)."""
     fabric = report.get("fabric")
     if fabric in FABRICS:
@@ -356,10 +357,10 @@ def a2a_samples(report: dict, floor: bool = False) -> List[Sample]:
             if r.get("host_floor_s"):
                 out.append(Sample(cl, "best", x, r["host_floor_s"], f"a2a/{fabric}/host-floor", f"{mib} host floor"))
             continue
-        for alg in ("flat", "hierarchical", "chosen"):
+        for alg in ("flat", "flat_p2p", "hierarchical", "chosen"):
             a = r["chosen"] if alg == "chosen" else alg
             m = r.get(f"{alg}_s")
-            if m and (alg != "chosen" or a not in ("flat", "hierarchical")):  # chosen: not measured twice
+            if m and (alg != "chosen" or a not in ("flat", "flat_p2p", "hierarchical")):  # chosen: not measured twice
                 out.append(Sample(cl, a, x, float(m), f"a2a/{fabric}/{alg}", f"{mib} {alg} ({a})"))
     return out
 

@@ -79,10 +79,10 @@ def test_validate_on_the_shipped_results_meets_the_target(capsys):
     assert rep["points"] >= 150
     assert rep["median_abs_rel_error"] <= 0.15
     assert "leave-one-fabric-out" in rep["method"] and "v_major_active_fraction" in rep["method"]
-    assert {"a2a/rail/flat", "a2a/rail/hierarchical", "a2a/rail/chosen", "e2e/tiny-flux-rail"} <= set(rep["groups"])
-    # a chosen exchange that is flat or hierarchical is already a point of its own group
+    assert {"a2a/rail/flat", "a2a/rail/flat_p2p", "a2a/rail/hierarchical", "e2e/tiny-flux-rail"} <= set(rep["groups"])
+    # a chosen exchange that is flat, flat_p2p or hierarchical is already a point of its own group
     chosen = [p["point"] for p in rep["per_point"] if p["group"].endswith("/chosen")]
-    assert chosen and not any(p.endswith(("(flat)", "(hierarchical)")) for p in chosen)
+    assert chosen and not any(p.endswith(("(flat)", "(flat_p2p)", "(hierarchical)")) for p in chosen)
     assert cli.main(["plan", "--validate", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["points"] == rep["points"] and out["median_abs_rel_error"] == pytest.approx(rep["median_abs_rel_error"])
