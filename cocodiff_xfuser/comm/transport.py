@@ -65,7 +65,7 @@ _SENDS_FIRST = ("xccl", "ccl")
 _device_semantics = os.environ.get(DEVICE_SEMANTICS_ENV, "") not in ("", "0")
 _backend_cache: dict[tuple[Any, str], str] = {}
 _group_cache: dict[Any, tuple[int, int]] = {}
-#: When a list: every posted batch as ``("role: what", [(op, peer, bytes), ...])``, in posting order.
+#: When a list: every posted batch as ``("what (role)", [(op, peer, bytes), ...])``, in posting order.
 _trace: list[tuple[str, list[tuple[str, int, int]]]] | None = None
 
 
@@ -94,11 +94,9 @@ def group_info(group: Any) -> tuple[int, int]:
 
 
 def _order(backend: str) -> str:
-    if backend in _RECEIVES_FIRST and not _device_semantics:
-        return "receives first"
-    if backend in _SENDS_FIRST or backend in _RECEIVES_FIRST:
-        return "sends first"
-    return "one group"
+    if backend in _RECEIVES_FIRST:
+        return "sends first" if _device_semantics else "receives first"  # device semantics: XCCL's order
+    return "sends first" if backend in _SENDS_FIRST else "one group"
 
 
 def post(
@@ -128,7 +126,7 @@ def post(
     if how == "sends first":
         ops = ops[len(recvs):] + ops[: len(recvs)]
     if _trace is not None:
-        _trace.append((f"{role}: {what}", [("recv" if op is dist.irecv else "send", peer, p.numel() * p.element_size()) for op, peer, p in ops]))
+        _trace.append((where, [("recv" if op is dist.irecv else "send", peer, p.numel() * p.element_size()) for op, peer, p in ops]))
     if _device_semantics and backend in _RECEIVES_FIRST:
         return Completion(_replay(ops, group, where), backend, group, where, buffers)
     works = dist.batch_isend_irecv([dist.P2POp(op, p, group=group, tag=TAG, group_peer=peer) for op, peer, p in ops])
@@ -217,7 +215,7 @@ def _drain(works: list[Any], buffers: list[torch.Tensor]) -> None:
 
 @contextlib.contextmanager
 def tracing() -> Iterator[list[tuple[str, list[tuple[str, int, int]]]]]:
-    """Record every batch posted inside the block: ``("role: what", [(op, group peer, bytes), ...])`` in the
+    """Record every batch posted inside the block: ``("what (role)", [(op, group peer, bytes), ...])`` in the
     backend's order (what the same-path test compares across backends)."""
     global _trace
     saved, _trace = _trace, []
