@@ -56,7 +56,7 @@ class _Ran:
     labels: Counter = field(default_factory=Counter)  # label -> count
     v_first_calls: int = 0
     fallbacks: Counter = field(default_factory=Counter)  # reason -> count
-    reverted: Counter = field(default_factory=Counter)  # autotune choice reverted to flat mid-run -> count
+    reverted: Counter = field(default_factory=Counter)  # autotune choice reverted to its reference mid-run -> count
     slow_link_bytes: int = 0
     slow_link_bytes_exact: int = 0
     copied_bytes: int = 0  # local copies made around and inside cocodiff's exchanges
@@ -106,7 +106,7 @@ def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
 def ran() -> dict:
     """This rank's counts since the last :func:`reset_ran`: ``exchanges`` (per algorithm), ``labels``,
     ``v_first_calls``, ``fallbacks`` (per reason), ``reverted`` (autotune choices the run-time
-    re-check found slower than ``flat``, per choice; ``flat`` ran afterwards), ``slow_link_bytes`` and ``slow_link_bytes_exact``,
+    re-check found slower than their reference, the fair flat exchange, per choice; the reference ran afterwards), ``slow_link_bytes`` and ``slow_link_bytes_exact``,
     ``copied_bytes`` (local copies around and inside the exchanges: layout changes, re-blocking),
     ``padded_bytes`` (zero heads and tokens sent so that counts not divisible by the degree split),
     and ``v_major``: the tokens V-Major sent over slow links, ``active``, of ``tokens``, in total,

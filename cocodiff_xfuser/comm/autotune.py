@@ -10,16 +10,19 @@ small scale; on a shared node uplink it always loses), so the ``auto`` setting t
 candidates on the real group the first time a size bucket (next power of two of the bytes per
 rank) is seen, then caches the decision.
 
-Never slower than stock. Stock ``flat`` is left only on evidence: every candidate is timed
-against ``flat`` in pairs (adjacent in time, order alternating, so drifts and background bursts
+Never slower than the fair flat exchange. The reference is the backend's fair flat exchange
+(:func:`.transport.fair_flat`: stock ``flat`` on NCCL and XCCL, whose own all-to-all it is;
+``flat-p2p`` on gloo, whose ``all_to_all_single`` pays a posting-order artefact NCCL does not), or
+``flat`` where ``flat-p2p`` cannot run. The reference is left only on evidence: every candidate is
+timed against it in pairs (adjacent in time, order alternating, so drifts and background bursts
 hit both alike), each sample a burst of back-to-back calls (the steady state of a denoising
 loop, where an exchange follows the previous one's tail; small messages get longer bursts and
 more pairs, they are cheap), and a candidate qualifies only if the median of its paired ratios
-to ``flat`` is below ``1 - margin`` and a one-sided 95% upper confidence bound of that median
+to the reference is below ``1 - margin`` and a one-sided 95% upper confidence bound of that median
 (distribution-free, from the order statistics of the ratios) is below 1. Among qualifying
 candidates the fastest wins, a simpler one on a tie within ``margin``. After ``RECHECK_USES``
-uses of a decision that left ``flat``, the choice is timed against ``flat`` once more, during
-the run; if it is slower by the median, the bucket reverts to ``flat`` for good (logged, and
+uses of a decision that left the reference, the choice is timed against it once more, during
+the run; if it is slower by the median, the bucket reverts to the reference for good (logged, and
 counted in :func:`cocodiff_xfuser.commstats.ran` as ``reverted``).
 
 Collective safety: a measurement is a sequence of collectives over the group, so every rank of
@@ -45,7 +48,7 @@ import torch.distributed as dist
 
 from .. import commstats
 from ..platform import detect
-from . import order
+from . import order, transport
 from .registry import A2A_SETTINGS, ALGORITHMS, Registry
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -54,7 +57,7 @@ logger = logging.getLogger("cocodiff_xfuser")
 PIPELINE_PARTS = (2, 4)
 #: Below this many bytes per rank pipelining is not measured: per-message overhead dominates.
 PIPELINE_MIN_BYTES = 1 << 20
-#: Uses of a decision after which it is timed against ``flat`` again (once): a second, independent
+#: Uses of a decision after which it is timed against its reference again (once): a second, independent
 #: measurement under run conditions, early enough to fall in a job's first pipeline call (its
 #: warm-up) for any model with a few layers.
 RECHECK_USES = 4
@@ -76,12 +79,13 @@ class Decision:
     hierarchical_s: float | None = None
     flat_p2p_s: float | None = None
     parts: int = 1  # pipeline parts of the hierarchical exchange
-    ratio: float | None = None  # chosen / flat: median of the paired ratios (1 for flat)
+    ratio: float | None = None  # chosen / reference: median of the paired ratios (1 for the reference)
     ratio_upper: float | None = None  # its one-sided 95% upper confidence bound
     pairs: int | None = None
-    # Every candidate's (median, upper bound) of the paired ratio to flat, by candidate key.
+    # Every other candidate's (median, upper bound) of the paired ratio to the reference, by key.
     ratios: dict[str, list[float]] = field(default_factory=dict, compare=False)
-    reverted_from: str | None = None  # the choice the run-time re-check found slower than flat
+    reverted_from: str | None = None  # the choice the run-time re-check found slower than the reference
+    reference: str = "flat"  # the fair flat exchange the candidates were timed against
 
 
 def _ms(t: float | None) -> str:
@@ -167,10 +171,10 @@ def time_paired(
     return {name: times[i].tolist() for i, name in enumerate(names)}
 
 
-def paired_ratios(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
-    """Per candidate other than ``flat``: its time / flat's, repetition by repetition."""
-    flat = times["flat"]
-    return {name: [t / f for t, f in zip(ts, flat)] for name, ts in times.items() if name != "flat"}
+def paired_ratios(times: Mapping[str, Sequence[float]], reference: str = "flat") -> dict[str, list[float]]:
+    """Per candidate other than ``reference``: its time / the reference's, repetition by repetition."""
+    ref = times[reference]
+    return {name: [t / r for t, r in zip(ts, ref)] for name, ts in times.items() if name != reference}
 
 
 class AutoAllToAll:
@@ -180,7 +184,7 @@ class AutoAllToAll:
     wherever it can run; where it cannot (``hierarchical`` on a group within one level, an input
     that does not split), ``flat`` runs and the fall-back is counted (:func:`cocodiff_xfuser.commstats.ran`).
     ``reps``: pairs per candidate for large messages (more for small ones, see :func:`sampling`);
-    ``margin``: how much faster than ``flat`` (relative) a candidate must measure to be chosen.
+    ``margin``: how much faster than the reference (relative) a candidate must measure to be chosen.
     """
 
     def __init__(self, registry: Registry, a2a: str = "auto", reps: int = 9, margin: float = 0.03) -> None:
@@ -199,7 +203,7 @@ class AutoAllToAll:
         """The algorithm (one of ``ALGORITHMS``) for exchanging ``x`` over ``group``.
 
         Collective over ``group`` with the ``auto`` setting when the (group, size bucket) is new,
-        and once more at its ``RECHECK_USES``-th use when the decision left ``flat``.
+        and once more at its ``RECHECK_USES``-th use when the decision left its reference.
         """
         group = group if group is not None else dist.group.WORLD
         if self.a2a != "auto":
@@ -220,12 +224,12 @@ class AutoAllToAll:
             self.decisions[key] = self._measure(x, group, *key, candidates)
             d = self.decisions[key]
             logger.info(
-                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, hierarchical %s; %s)",
+                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, hierarchical %s; %s of %s's time)",
                 list(d.group), d.bucket_bytes, candidate_key(d.algorithm, d.parts), _ms(d.flat_s), _ms(d.flat_p2p_s),
-                _ms(d.hierarchical_s), _ratios_text(d.ratios),
+                _ms(d.hierarchical_s), _ratios_text(d.ratios), d.reference,
             )
         self._uses[key] = self._uses.get(key, 0) + 1
-        if self._uses[key] == RECHECK_USES and self.decisions[key].algorithm != "flat":
+        if self._uses[key] == RECHECK_USES and self.decisions[key].algorithm != self.decisions[key].reference:
             self._recheck(x, group, key)
         return self.decisions[key].algorithm
 
@@ -259,7 +263,8 @@ class AutoAllToAll:
         key = self._key(x, group)
         if key not in self.decisions:
             return True
-        return self._uses.get(key, 0) + 1 == RECHECK_USES and self.decisions[key].algorithm != "flat"
+        d = self.decisions[key]
+        return self._uses.get(key, 0) + 1 == RECHECK_USES and d.algorithm != d.reference
 
     def to_dict(self) -> dict[str, Any]:
         topology = self.registry.tapa.topology if self.registry.tapa is not None else None
@@ -276,6 +281,8 @@ class AutoAllToAll:
             d = Decision(**{k: v for k, v in raw.items() if k in known} | {"group": tuple(raw["group"])})
             if d.algorithm not in ALGORITHMS:
                 raise ValueError(f"invalid algorithm {d.algorithm!r} in decision {raw}")
+            if d.reference not in ("flat", "flat-p2p"):
+                raise ValueError(f"invalid reference {d.reference!r} in decision {raw}")
             if not isinstance(d.parts, int) or d.parts < 1:
                 raise ValueError(f"invalid parts {d.parts!r} in decision {raw}")
             self.decisions[(d.group, d.bucket_bytes)] = d
@@ -294,6 +301,12 @@ class AutoAllToAll:
             names += tuple(candidate_key("hierarchical", p) for p in PIPELINE_PARTS if tapa.reason(x, group, p) is None)
         return names
 
+    def reference(self, x: torch.Tensor, group: Any) -> str:
+        """The exchange ``auto`` must not be slower than: the backend's fair flat exchange where it
+        can run, else ``flat`` (the same on every rank: the backend and the input are)."""
+        fair = transport.fair_flat(group, x.device)
+        return fair if self.registry.reason(fair, x, group) is None else "flat"
+
     def _time(self, x: torch.Tensor, group: Any, keys: Sequence[str], reps: int) -> dict[str, list[float]]:
         def op(key: str) -> Callable[[], Any]:
             name, parts = split_key(key)
@@ -306,50 +319,54 @@ class AutoAllToAll:
     def _measure(
         self, x: torch.Tensor, group: Any, ranks: tuple[int, ...], bucket: int, candidates: tuple[str, ...]
     ) -> Decision:
+        reference = self.reference(x, group)
         times = self._time(x, group, candidates, self.reps)
-        ratios = {key: [statistics.median(r), median_upper_bound(r)] for key, r in paired_ratios(times).items()}
-        chosen = pick(ratios, self.margin)
+        ratios = {key: [statistics.median(r), median_upper_bound(r)] for key, r in paired_ratios(times, reference).items()}
+        chosen = pick(ratios, self.margin, reference)
         median = {key: float(statistics.median(t)) for key, t in times.items()}
         hier = min((k for k in median if k.startswith("hierarchical")), key=median.get, default=None)
         name, parts = split_key(chosen)
         ratio, upper = ratios.get(chosen, [1.0, 1.0])
         return Decision(
             ranks, bucket, name, median["flat"], None if hier is None else median[hier], median.get("flat-p2p"),
-            parts=parts, ratio=ratio, ratio_upper=upper, pairs=len(times["flat"]), ratios=ratios,
+            parts=parts, ratio=ratio, ratio_upper=upper, pairs=len(times["flat"]), ratios=ratios, reference=reference,
         )
 
     def _recheck(self, x: torch.Tensor, group: Any, key: tuple[tuple[int, ...], int]) -> None:
-        """Time the decision against ``flat`` again, mid-run; revert to ``flat`` if it is slower."""
+        """Time the decision against its reference again, mid-run; revert to the reference if it is slower."""
         d = self.decisions[key]
         chosen = candidate_key(d.algorithm, d.parts)
-        ratios = paired_ratios(self._time(x, group, ("flat", chosen), self.reps))[chosen]
+        ratios = paired_ratios(self._time(x, group, (d.reference, chosen), self.reps), d.reference)[chosen]
         ratio = statistics.median(ratios)
         if ratio <= 1.0:
-            logger.info("all-to-all over group %s, %d-byte bucket: %s re-checked at %.2fx of flat's time", list(d.group), d.bucket_bytes, chosen, ratio)
+            logger.info(
+                "all-to-all over group %s, %d-byte bucket: %s re-checked at %.2fx of %s's time",
+                list(d.group), d.bucket_bytes, chosen, ratio, d.reference,
+            )
             return
         self.decisions[key] = dataclasses.replace(
-            d, algorithm="flat", parts=1, ratio=1.0, ratio_upper=1.0, reverted_from=chosen
+            d, algorithm=d.reference, parts=1, ratio=1.0, ratio_upper=1.0, reverted_from=chosen
         )
         logger.warning(
-            "cocodiff: all-to-all over group %s, %d-byte bucket: %s took %.2fx flat's time when re-checked; using flat",
-            list(d.group), d.bucket_bytes, chosen, ratio,
+            "cocodiff: all-to-all over group %s, %d-byte bucket: %s took %.2fx %s's time when re-checked; using %s",
+            list(d.group), d.bucket_bytes, chosen, ratio, d.reference, d.reference,
         )
         commstats.count_revert(chosen)
 
 
 def _ratios_text(ratios: Mapping[str, Sequence[float]]) -> str:
-    return ", ".join(f"{k} {m:.2f}x (<= {u:.2f}x)" for k, (m, u) in ratios.items()) + " of flat's time"
+    return ", ".join(f"{k} {m:.2f}x (<= {u:.2f}x)" for k, (m, u) in ratios.items())
 
 
-def pick(ratios: Mapping[str, Sequence[float]], margin: float) -> str:
-    """The candidate to use given each non-flat candidate's (median, upper bound) of its paired
-    time ratio to ``flat``: ``flat`` unless some candidate is faster by more than ``margin`` at
-    the median and faster at the upper bound; then the fastest such candidate, or a simpler one
-    (earlier in ``ALGORITHMS``, fewer parts) within ``margin`` of it. Deterministic: equal inputs
-    give the same answer on every rank."""
+def pick(ratios: Mapping[str, Sequence[float]], margin: float, reference: str = "flat") -> str:
+    """The candidate to use given each other candidate's (median, upper bound) of its paired
+    time ratio to ``reference``: ``reference`` unless some candidate is faster by more than
+    ``margin`` at the median and faster at the upper bound; then the fastest such candidate, or a
+    simpler one (earlier in ``ALGORITHMS``, fewer parts) within ``margin`` of it. Deterministic:
+    equal inputs give the same answer on every rank."""
     qualified = {k: m for k, (m, u) in ratios.items() if m <= 1 - margin and u < 1}
     if not qualified:
-        return "flat"
+        return reference
     fastest = min(qualified.values())
     for key in sorted(qualified, key=lambda k: (ALGORITHMS.index(split_key(k)[0]), split_key(k)[1])):
         if fastest >= qualified[key] * (1 - margin):

@@ -33,6 +33,11 @@ argument would turn it into a host-side busy wait, torch's ``WorkNCCL::synchroni
 the group's own timeout, set when cocodiff creates it, bounds the operation: there the backend's
 watchdog ends a stalled job, with its own message.
 
+The fair flat exchange (:func:`fair_flat`) is the third: the flat exchange whose time the autotune
+must never exceed. On NCCL and XCCL it is the backend's own all-to-all (stock's ``flat``); on gloo
+it is ``flat-p2p``, because gloo's ``all_to_all_single`` posts its sends first and pays the
+artefact above, which NCCL's all-to-all does not.
+
 Device semantics (``COCODIFF_DEVICE_SEMANTICS=1``): gloo runs what a device backend would. Batches
 take XCCL's order and run as oneCCL replays them: operation by operation, each receive completing
 before the next operation is posted, so an exchange whose batches only work in gloo's order hangs
@@ -91,6 +96,12 @@ def group_info(group: Any) -> tuple[int, int]:
     if group not in _group_cache:
         _group_cache[group] = (dist.get_rank(group), dist.get_world_size(group))
     return _group_cache[group]
+
+
+def fair_flat(group: Any = None, device: torch.device | str = "cpu") -> str:
+    """The fair flat exchange on ``group``'s backend (module docstring): ``"flat-p2p"`` on gloo,
+    ``"flat"`` (the backend's own all-to-all) elsewhere."""
+    return "flat-p2p" if backend_name(group, device) in _RECEIVES_FIRST else "flat"
 
 
 def _order(backend: str) -> str:

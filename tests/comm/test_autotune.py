@@ -48,6 +48,14 @@ def test_pick_needs_evidence_before_leaving_flat():
     assert pick(a, 0.03) == pick(dict(reversed(list(a.items()))), 0.03) == "flat-p2p"
 
 
+def test_pick_against_the_fair_flat_reference():
+    # On gloo the reference is flat-p2p: stock flat is one more candidate that needs evidence.
+    assert pick({"flat": [0.99, 1.1], "hierarchical": [1.2, 1.3]}, 0.03, "flat-p2p") == "flat-p2p"
+    assert pick({"flat": [0.9, 0.95], "hierarchical": [1.2, 1.3]}, 0.03, "flat-p2p") == "flat"
+    assert pick({"flat": [0.6, 0.7], "hierarchical": [0.59, 0.65]}, 0.03, "flat-p2p") == "flat"  # simpler on a tie
+    assert pick({}, 0.03, "flat-p2p") == "flat-p2p"
+
+
 def test_median_upper_bound_is_a_distribution_free_order_statistic():
     # n=7: only the maximum bounds the median at 95% (P(Bin(7, 1/2) <= 5) = 0.9375).
     assert median_upper_bound([0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.2]) == 1.2
@@ -70,7 +78,7 @@ def test_candidate_keys_round_trip():
 
 def test_modes_cover_algorithms():
     assert A2A_SETTINGS[0] == "auto" and set(A2A_SETTINGS[1:]) == set(ALGORITHMS)
-    assert ALGORITHMS[0] == "flat"  # the stock exchange, the tie winner
+    assert ALGORITHMS[:2] == ("flat", "flat-p2p")  # stock, then the fair flat: the simplest first
 
 
 def test_autotune_cases(report):

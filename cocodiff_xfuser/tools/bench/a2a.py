@@ -309,6 +309,7 @@ def run_benchmark(
             autotune=None
             if decision is None
             else {
+                "reference": json_key(decision.reference),
                 "flat_s": decision.flat_s,
                 "pairs": decision.pairs,
                 "ratios": {json_key(k): v for k, v in decision.ratios.items()},
