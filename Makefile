@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-fast test-all install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: PYTEST_ARGS = -m unit
+test-fast: test
 
 test-all: PYTEST_ARGS =
 test-all: test

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from typing import Callable, NoReturn, TypeVar
 
@@ -19,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats, vmajor
-from cocodiff_xfuser.comm import faults, layout, order, sparse, transport
+from cocodiff_xfuser.comm import compress, faults, layout, order, sparse, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
-from cocodiff_xfuser.comm.autotune import AutoAllToAll
+from cocodiff_xfuser.comm.autotune import RECHECK_USES, AutoAllToAll, paired_ratios, sampling, time_paired
 from cocodiff_xfuser.comm.flat import AllToAllHandle
 from cocodiff_xfuser.comm.registry import A2A_SETTINGS, Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
@@ -43,20 +44,30 @@ class Options:
     v_first: bool = False
     v_major: vmajor.Settings | None = None  # None: off (V-Major implies V-First)
     timeout_s: float = faults.DEFAULT_TIMEOUT_S  # bound on every exchange and wait (--cocodiff-timeout)
+    compress: str = "none"  # "fp8": every exchange in fp8 with a scale per row (comm/compress.py)
 
     def __post_init__(self) -> None:
         if self.a2a not in A2A_SETTINGS:
             raise ValueError(f"--cocodiff-a2a {self.a2a!r}: expected one of {', '.join(A2A_SETTINGS)}")
+        if self.compress not in compress.SETTINGS:
+            raise ValueError(f"--cocodiff-compress {self.compress!r}: expected one of {', '.join(compress.SETTINGS)}")
+        if self.compress != "none" and self.v_major is not None:
+            raise ValueError("--cocodiff-compress and --cocodiff-v-major both compress the exchanges: choose one")
         if not self.timeout_s > 0:
             raise ValueError(f"--cocodiff-timeout {self.timeout_s!r}: expected a positive number of seconds")
 
 
 class _Reshaping:
-    """A handle over a flattened exchange that gives the result back in the input's shape."""
+    """A handle over a flattened exchange that gives the result back in the input's shape
+    (``unpack``: what turns the exchanged bytes back into values, for a compressed exchange)."""
 
-    def __init__(self, backend: CocodiffBackend, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str) -> None:
+    def __init__(
+        self, backend: CocodiffBackend, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str,
+        unpack: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self._backend, self._handle, self._shape = backend, handle, shape
         self.label, self.algorithm = label, algorithm
+        self._unpack = unpack
         self.done = False
         self._out: torch.Tensor | None = None
 
@@ -67,7 +78,8 @@ class _Reshaping:
         # Idempotent: the autotune completes pending exchanges before it measures, and their
         # owners wait again later (a sparse exchange adds residuals: it must complete once).
         if not self.done:
-            self._out = self._backend.finish(self._handle.wait, self.label, self.algorithm).reshape(self._shape)
+            out = self._backend.finish(self._handle.wait, self.label, self.algorithm)
+            self._out = (out if self._unpack is None else self._unpack(out)).reshape(self._shape)
             self.done = True
         return self._out
 
@@ -98,6 +110,10 @@ class CocodiffBackend:
         self.slow_level = self._slow_level(groups) if agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)") else None
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
+        # --cocodiff-v-major auto: V's sparse exchanges so far, and whether the one timed against
+        # the exact exchange (the RECHECK_USES-th) turned V-Major off for the rest of the job.
+        self._sparse_v = 0
+        self.v_major_off = False
         # What decisions are only valid for (kept: at exit the process groups may be gone).
         self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
         self._decisions_file = self._load_decisions()
@@ -153,11 +169,25 @@ class CocodiffBackend:
         self._pending = [p for p in self._pending if not p.done]
         return self.exchange.choose(x, self.group)
 
-    def _algorithm(self, x: torch.Tensor, label: str) -> str:
+    def _algorithm(self, x: torch.Tensor, label: str, exact_bytes: int | None = None) -> str:
+        """Choose the algorithm for ``x`` and count the exchange (``exact_bytes``: what ``x`` would
+        be uncompressed)."""
         algorithm = self._choose(x)
-        slow = int(x.numel() * x.element_size() * self._slow_share)
-        commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=slow)
+        sent = x.numel() * x.element_size()
+        slow, exact = int(sent * self._slow_share), int((exact_bytes or sent) * self._slow_share)
+        commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
         return algorithm
+
+    def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+        """``x`` (W equal chunks along dim 0, rows of its last dim) packed for ``--cocodiff-compress
+        fp8``, and how to unpack the result; None when the exchanges are not compressed (or ``x``
+        is already narrow: xfuser's own fp8 communication)."""
+        if self.options.compress == "none" or x.dtype not in compress.WIDE:
+            return None
+        d = x.shape[-1]
+        rows = x.numel() // (self.world_size * d)
+        packed = compress.pack(x.reshape(self.world_size, rows, d))
+        return packed.view(-1), lambda out: compress.unpack(out.view(self.world_size, -1), rows, d, x.dtype)
 
     def finish(self, step: Callable[[], T], label: str, algorithm: str) -> T:
         """``step()`` (a handle's ``advance`` or ``wait``); a failed or timed-out exchange ends this
@@ -179,11 +209,12 @@ class CocodiffBackend:
     @torch.compiler.disable
     def start(self, x: torch.Tensor, label: str) -> _Reshaping:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
-        flat = x.flatten()
+        packed = self._packed(x)
+        flat, unpack = packed if packed is not None else (x.flatten(), None)
         algorithm = "autotune"
         try:
-            algorithm = self._algorithm(flat, label)
-            handle = _Reshaping(self, self.exchange.start(algorithm, flat, self.group), x.shape, label, algorithm)
+            algorithm = self._algorithm(flat, label, x.numel() * x.element_size())
+            handle = _Reshaping(self, self.exchange.start(algorithm, flat, self.group), x.shape, label, algorithm, unpack)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
         self._pending.append(handle)
@@ -196,19 +227,26 @@ class CocodiffBackend:
         chosen exchange sends (:func:`cocodiff_xfuser.comm.layout.heads`)."""
         b, h, s, d = tensors[0].shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
+        exact_bytes = math.prod(shape) * tensors[0].element_size()
         # What the choice needs is the size, dtype and device; a real buffer only to measure with.
-        probe = tensors[0].new_empty(1).expand(math.prod(shape))
+        if self.options.compress == "none" or tensors[0].dtype not in compress.WIDE:
+            numel, dtype = math.prod(shape), tensors[0].dtype
+        else:
+            numel, dtype = self.world_size * compress.packed_bytes(math.prod(shape[1:-1]), d), torch.uint8
+        probe = tensors[0].new_empty(1, dtype=dtype).expand(numel)
         if self.exchange.measures(probe, self.group):
-            probe = tensors[0].new_empty(math.prod(shape))
+            probe = tensors[0].new_empty(numel, dtype=dtype)
         algorithm = "autotune"
         try:
-            algorithm = self._algorithm(probe, label)
+            algorithm = self._algorithm(probe, label, exact_bytes)
             if algorithm == "hierarchical" and self.exchange.parts(probe, self.group) == 1:
                 sends = self.exchange.registry.tapa.input_layout(self.group)
                 data, extra = layout.heads(tensors, self.levels, sends), {"layout": sends}
             else:
                 data, extra = layout.heads(tensors, (self.world_size,), (0,)), {}
-            handle = _Reshaping(self, self.exchange.start(algorithm, data.view(-1), self.group, **extra), shape, label, algorithm)
+            packed = self._packed(data)  # chunks in send order, whichever layout
+            data, unpack = packed if packed is not None else (data.view(-1), None)
+            handle = _Reshaping(self, self.exchange.start(algorithm, data, self.group, **extra), shape, label, algorithm, unpack)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
         self._pending.append(handle)
@@ -216,15 +254,26 @@ class CocodiffBackend:
 
     @torch.compiler.disable
     def start_sparse(
-        self, x: torch.Tensor, rows: torch.Tensor, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool
+        self, x: torch.Tensor, rows: torch.Tensor, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
+        of_v: bool = False,
     ) -> _Reshaping:
         """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
         other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
-        add). Routed like the exact exchange of the same size (two phases where the autotune chose TAPA)."""
+        add). Routed like the exact exchange of the same size (two phases where the autotune chose TAPA).
+
+        ``of_v``: V's exchange of a layer. Under ``--cocodiff-v-major auto`` (unless ``if_slower:
+        keep``) the ``RECHECK_USES``-th of these is first timed against the exact exchange
+        (:meth:`_check_sparse`)."""
         algorithm = "v-major"
         try:
-            two_phase = self.slow_level.regular and self._choose(x.flatten()) == "hierarchical"
+            exact_algorithm = self._choose(x.flatten())
+            two_phase = self.slow_level.regular and exact_algorithm == "hierarchical"
             algorithm = f"v-major {'two-phase' if two_phase else 'one-phase'}"
+            settings = self.options.v_major
+            if of_v and settings.min_psnr_db is not None and settings.if_slower == "stop":
+                self._sparse_v += 1
+                if self._sparse_v == RECHECK_USES:
+                    self._check_sparse(x, rows, selection, into, residual, exact_algorithm, two_phase)
             slow, exact = sparse.sent_bytes(x, rows, self.slow_level)
             commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
             exchange = sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into, residual)
@@ -234,15 +283,45 @@ class CocodiffBackend:
         self._pending.append(handle)
         return handle
 
+    def _check_sparse(
+        self, x: torch.Tensor, rows: torch.Tensor, selection: sparse.Selection, into: torch.Tensor, residual: bool,
+        exact_algorithm: str, two_phase: bool,
+    ) -> None:
+        """Time this sparse exchange against the exact one in pairs, like the autotune's re-check
+        (collective over the group, the same decision on every rank: MAX over ranks); V-Major is
+        off for the rest of the job if it is not faster by the median (logged, counted)."""
+        for pending in self._pending:  # the timings must not share the links with exchanges in flight
+            if not pending.done:
+                pending.wait()
+        flat = x.flatten()
+
+        def exact() -> None:
+            self.exchange.run(exact_algorithm, flat, self.group)
+
+        def sparse_once() -> None:
+            sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into.clone(), residual).wait()
+
+        pairs, burst = sampling(flat.numel() * flat.element_size(), self.exchange.reps)
+        times = time_paired({"exact": exact, "sparse": sparse_once}, self.group, x.device, pairs, burst)
+        ratio = statistics.median(paired_ratios(times, "exact")["sparse"])
+        if ratio < 1.0:
+            logger.info("cocodiff: V-Major's sparse exchange took %.2fx the exact one's time; V-Major stays on", ratio)
+            return
+        self.v_major_off = True
+        logger.warning("cocodiff: V-Major off: its sparse exchange took %.2fx the exact one's time (the links are not the bottleneck)", ratio)
+        commstats.count_fallback("v-major: not faster than the exact exchange")
+
     @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
-        flat = x.flatten()
+        packed = self._packed(x)
+        flat, unpack = packed if packed is not None else (x.flatten(), None)
         algorithm = "autotune"
         try:
-            algorithm = self._algorithm(flat, label)
+            algorithm = self._algorithm(flat, label, x.numel() * x.element_size())
             with faults.inside(label, self._where(algorithm)):
-                return self.exchange.run(algorithm, flat, self.group).reshape(x.shape)
+                out = self.exchange.run(algorithm, flat, self.group)
+            return (out if unpack is None else unpack(out)).reshape(x.shape)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
 
@@ -252,6 +331,7 @@ class CocodiffBackend:
             f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
             f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
             f"V-Major {self.options.v_major.describe() if self.slow_level else 'off'}, "
+            f"compression {self.options.compress}, "
             f"timeout {self.options.timeout_s:g} s"
         )
 

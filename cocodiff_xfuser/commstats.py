@@ -63,6 +63,7 @@ class _Ran:
     padded_bytes: int = 0  # zero heads and tokens exchanged so that any count splits (padding.py)
     # V-Major: (step, layer) -> [active tokens, tokens] summed over the layer's calls at that step.
     v_major: dict = field(default_factory=dict)
+    v_major_s: float = 0.0  # host time in V-Major's bookkeeping: selection, references, residuals
 
 
 _totals = _Totals()
@@ -97,6 +98,10 @@ def count_fallback(reason: str) -> None:
     _ran.fallbacks[reason] += 1
 
 
+def count_v_major_time(seconds: float) -> None:
+    _ran.v_major_s += seconds
+
+
 def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
     counts = _ran.v_major.setdefault((step, layer), [0, 0])
     counts[0] += active
@@ -106,11 +111,13 @@ def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
 def ran() -> dict:
     """This rank's counts since the last :func:`reset_ran`: ``exchanges`` (per algorithm), ``labels``,
     ``v_first_calls``, ``fallbacks`` (per reason), ``reverted`` (autotune choices the run-time
-    re-check found slower than their reference, the fair flat exchange, per choice; the reference ran afterwards), ``slow_link_bytes`` and ``slow_link_bytes_exact``,
-    ``copied_bytes`` (local copies around and inside the exchanges: layout changes, re-blocking),
-    ``padded_bytes`` (zero heads and tokens sent so that counts not divisible by the degree split),
-    and ``v_major``: the tokens V-Major sent over slow links, ``active``, of ``tokens``, in total,
-    per step and per layer."""
+    re-check found slower than their reference, the fair flat exchange, per choice; the reference
+    ran afterwards), ``slow_link_bytes`` and ``slow_link_bytes_exact``, ``copied_bytes`` (local
+    copies around and inside the exchanges: layout changes, re-blocking), ``padded_bytes`` (zero
+    heads and tokens sent so that counts not divisible by the degree split), ``v_major``: the tokens
+    V-Major sent over slow links, ``active``, of ``tokens``, in total, per step and per layer, and
+    ``v_major_s``: the host time of V-Major's bookkeeping (selection, references, residuals; on a
+    GPU the time to queue that work, which the device runs asynchronously)."""
     return {
         "exchanges": dict(_ran.exchanges),
         "labels": dict(_ran.labels),
@@ -122,6 +129,7 @@ def ran() -> dict:
         "copied_bytes": _ran.copied_bytes,
         "padded_bytes": _ran.padded_bytes,
         "v_major": _v_major_report(_ran.v_major),
+        "v_major_s": _ran.v_major_s,
     }
 
 
@@ -141,7 +149,7 @@ def _v_major_report(counts: dict) -> dict:
 
 def sum_ran(reports: list[dict]) -> dict:
     """The :func:`ran` reports of several ranks, summed."""
-    numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact", "copied_bytes", "padded_bytes")
+    numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact", "copied_bytes", "padded_bytes", "v_major_s")
     counters = ("exchanges", "labels", "fallbacks", "reverted")
     total = {**{key: Counter() for key in counters}, **dict.fromkeys(numbers, 0)}
     for report in reports:

@@ -2,18 +2,31 @@
 
 Per attention layer and token, the sender compares this step's V with its *reference*, the value
 it last sent for that token (so a token that stays cached for many steps never drifts further
-than the policy allows). Tokens whose change passes the policy are *active*: the exchange sends
-them to every rank, and the others only to node-mates (:mod:`.comm.sparse`); receivers on other
-nodes keep the previous result of the exchange and update its active rows. With scope ``qkv`` the
-Q and K exchanges of the layer follow V's mask (the paper's reading); with scope ``v`` they are
-exact.
+than the policy allows). Tokens the policy selects are *active*: the exchange sends them to every
+rank, and the others only to node-mates (:mod:`.comm.sparse`); receivers on other nodes keep the
+previous result of the exchange and update its active rows. With scope ``qkv`` the Q and K
+exchanges of the layer follow V's selection (the paper's reading); with scope ``v`` they are exact.
 
 Decisions that change which collectives run (full or sparse exchange at this step, whether a
-layer fits the cache budget) depend only on the step, the shapes and the settings, which every
-rank shares (the settings are agreed at activation); the mask itself is rank-local and travels
-with the exchange. Caches live per attention layer and per transformer call within a step (true
-CFG calls the transformer twice per step) and are dropped when a new pipeline call starts, which
-a transformer's clock sees as a timestep that does not decrease.
+layer fits the cache budget, how many rows each rank sends) depend only on the step, the shapes,
+the settings and agreed values, which every rank shares; the selected rows are rank-local and
+travel, with their indices, in the exchange. The policies ``top-k``, ``schedule`` and ``budget``
+fix each rank's count on the host, so a layer's exchange needs no agreement and no host
+synchronization; ``threshold``'s count depends on the data: each layer reads it (one host
+synchronization) and agrees the counts (one all-gather of integers).
+
+``budget`` (what ``--cocodiff-v-major auto`` runs) sends, per layer, the fewest tokens that keep the
+relative L2 error of V as the receivers hold it within ``error``: every layer measures at every
+step, on the device, how many of its tokens that took (the senders know exactly what the
+receivers hold), and the clock agrees the counts once per step (one all-reduce, MAX over the
+group) for the next step. ``auto`` maps a PSNR target to ``error`` with a calibration measured on
+the trained models (``configs/policies/v-major-calibration.yaml``), and turns V-Major off where
+its sparse exchange is not faster than the exact one (timed once, like the autotune's re-check;
+``if_slower: keep`` keeps it on, e.g. to save the bytes of a metered link).
+
+Caches live per attention layer and per transformer call within a step (true CFG calls the
+transformer twice per step) and are dropped when a new pipeline call starts, which a
+transformer's clock sees as a timestep that does not decrease.
 """
 
 from __future__ import annotations
@@ -25,17 +38,62 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm import order
+from cocodiff_xfuser.shipped import CONFIGS
 
 logger = logging.getLogger("cocodiff_xfuser")
 
-DEFAULTS = Path(__file__).parent / "configs" / "policies" / "v-major.yaml"
-POLICIES = ("threshold", "top-k", "schedule")
+DEFAULTS = CONFIGS / "policies" / "v-major.yaml"
+POLICIES = ("threshold", "top-k", "schedule", "budget")
 METRICS = ("rel-l2", "l1")
 SCOPES = ("v", "qkv")
 RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn")
-MODES = ("off", "on")
+IF_SLOWER = ("stop", "keep")
+MODES = ("off", "on", "auto")
+CALIBRATION = DEFAULTS.with_name("v-major-calibration.yaml")
+
+
+#: ``--cocodiff-v-major-min-psnr``'s default (dB against the exact run).
+DEFAULT_MIN_PSNR_DB = 38.0
+
+
+def error_for(min_psnr_db: float, path: Path = CALIBRATION) -> float:
+    """The ``budget`` policy's ``error`` for a mean-PSNR target: on each calibrated model, the largest
+    error whose PSNR, interpolated linearly in log(error) between measured points (each point's
+    PSNR taken as the lowest at that error or below, so the curve falls), meets the target; the
+    smallest of these over the models. A target above every measured PSNR gets the smallest
+    calibrated error (logged): its quality is then not known to meet the target."""
+    import yaml
+
+    models = yaml.safe_load(path.read_text())["models"]
+    if not models:
+        raise ValueError(f"{path}: no calibrated model (cocodiff quality --sweep v-major-budget writes one)")
+    errors = []
+    for name, model in models.items():
+        points = sorted((p["error"], p["psnr_db"]) for p in model["points"])
+        falling, lowest = [], math.inf
+        for error, psnr in points:
+            lowest = min(lowest, psnr)
+            falling.append((math.log(error), lowest))
+        if min_psnr_db > falling[0][1]:
+            logger.warning(
+                "cocodiff: V-Major auto: %g dB is above what %s measured at the smallest calibrated error "
+                "(%.1f dB at %g); using that error", min_psnr_db, name, falling[0][1], points[0][0],
+            )
+            errors.append(points[0][0])
+            continue
+        best = falling[0][0]
+        for (x0, y0), (x1, y1) in zip(falling, falling[1:]):
+            if y1 >= min_psnr_db:
+                best = x1
+            elif y0 >= min_psnr_db:
+                best = x0 + (x1 - x0) * (y0 - min_psnr_db) / (y0 - y1)
+                break
+        errors.append(math.exp(best))
+    return min(errors)
 
 
 @dataclass(frozen=True)
@@ -45,6 +103,7 @@ class Settings:
     policy: str
     metric: str
     threshold: float
+    error: float
     fraction: float
     final_cached: float
     warmup_steps: int
@@ -52,6 +111,10 @@ class Settings:
     scope: str
     residual_dtype: str
     budget_mib: float
+    if_slower: str
+    # --cocodiff-v-major auto's target (not a file knob): its ``error`` came from the calibration,
+    # and V-Major turns itself off where its sparse exchange is not faster than the exact one.
+    min_psnr_db: float | None = None
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> Settings:
@@ -63,7 +126,7 @@ class Settings:
             data = yaml.safe_load(path.read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
             raise ValueError(f"--cocodiff-v-major-config {path}: cannot read it ({e})") from e
-        names = {f.name: f.type for f in fields(cls)}
+        names = {f.name: f.type for f in fields(cls) if f.name != "min_psnr_db"}
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ValueError(f"{path}: unknown V-Major setting(s) {', '.join(unknown)}; expected {', '.join(names)}")
@@ -83,12 +146,15 @@ class Settings:
             ("metric", self.metric, METRICS),
             ("scope", self.scope, SCOPES),
             ("residual-dtype", self.residual_dtype, RESIDUAL_DTYPES),
+            ("if-slower", self.if_slower, IF_SLOWER),
         ):
             if value not in allowed:
                 raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected one of {', '.join(allowed)}")
         for name, value in (("fraction", self.fraction), ("final-cached", self.final_cached)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected a share between 0 and 1")
+        if not 0.0 < self.error < 1.0:
+            raise ValueError(f"--cocodiff-v-major-error {self.error!r}: expected a relative error between 0 and 1")
         if self.threshold < 0 or self.warmup_steps < 0 or self.refresh_every < 0 or self.budget_mib < 0:
             raise ValueError("--cocodiff-v-major-threshold, -warmup-steps, -refresh-every and -budget-mib must be >= 0")
 
@@ -97,10 +163,12 @@ class Settings:
             "threshold": f"change > {self.threshold:g} ({self.metric})",
             "top-k": f"top {self.fraction:.0%} per step ({self.metric})",
             "schedule": f"cached share rising to {self.final_cached:.0%} ({self.metric})",
+            "budget": f"fewest tokens keeping V's error within {self.error:g} (rel-l2, per layer)",
         }[self.policy]
         refresh = f", full every {self.refresh_every} steps" if self.refresh_every else ""
         rows = "values" if self.residual_dtype == "none" else f"{self.residual_dtype} residuals"
-        return (f"{rule}, scope {self.scope}, active rows as {rows}, {self.warmup_steps} warm-up steps{refresh}, "
+        auto = "" if self.min_psnr_db is None else f"auto for {self.min_psnr_db:g} dB: "
+        return (f"{auto}{rule}, scope {self.scope}, active rows as {rows}, {self.warmup_steps} warm-up steps{refresh}, "
                 f"cache budget {self.budget_mib:g} MiB")
 
     @property
@@ -136,27 +204,52 @@ class Clock:
     step (true CFG's second branch); a higher one (or the first), a new pipeline call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self.call = 0
         self.step = 0
         self.branch = 0
         self.layers = 0  # V-Major layers attached to this clock
         self.budget = _Budget()  # their caches
+        self.group = group  # the Ulysses group the layers' counts are agreed over (policy budget)
+        # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
+        # yet measured, the exchange is exact), and what the layers measured during this step.
+        self.shares: list[float] | None = None
+        self.needed: torch.Tensor | None = None
         self._last: float | None = None
 
     def tick(self, timestep: Any) -> None:
         t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
         if self._last is None or t > self._last:
             self.call, self.step, self.branch = self.call + 1, 0, 0
+            self.shares = self.needed = None
         elif t == self._last:
             self.branch += 1
         else:
             self.step, self.branch = self.step + 1, 0
+            self._agree_shares()
         self._last = t
 
+    def need(self, layer: int, share: torch.Tensor) -> None:
+        """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget."""
+        if self.needed is None:
+            self.needed = torch.zeros(self.layers, dtype=torch.float32, device=share.device)
+        self.needed[layer] = torch.maximum(self.needed[layer], share)
 
-def attach_clock(transformer: torch.nn.Module) -> Clock:
-    """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument)."""
+    def _agree_shares(self) -> None:
+        """The shares the layers measured during the step that ended, agreed (MAX over the group):
+        one all-reduce and one host read per step. Whether it runs depends on the steps and the
+        layers that ran, the same on every rank."""
+        if self.needed is None:
+            return
+        group = self.group if self.group is not None else dist.group.WORLD
+        order.launched(group, "all_reduce")
+        dist.all_reduce(self.needed, op=dist.ReduceOp.MAX, group=group)
+        self.shares, self.needed = self.needed.tolist(), None
+
+
+def attach_clock(transformer: torch.nn.Module, group: Any = None) -> Clock:
+    """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument);
+    ``group``: the Ulysses group of its V-Major layers."""
 
     def before(module, args, kwargs) -> None:
         timestep = kwargs.get("timestep")
@@ -164,11 +257,9 @@ def attach_clock(transformer: torch.nn.Module) -> Clock:
             raise ValueError(f"cocodiff: V-Major needs {type(module).__name__} to be called with timestep=...")
         clock.tick(timestep)
 
-    clock = Clock()
+    clock = Clock(group)
     transformer.register_forward_pre_hook(before, with_kwargs=True)
     return clock
-
-
 
 
 class _Caches:
@@ -216,21 +307,44 @@ class Layer:
                 commstats.count_fallback("v-major: cache budget")
                 return Step(self, None, None)
             caches = self._caches[clock.branch] = _Caches(tuple(v.shape))
-        step = clock.step
+        step, s = clock.step, v.shape[4]
+        reference = caches.reference.get("v")
+        change = None  # policy budget: every token's squared change, measured at every step
+        if settings.policy == "budget" and reference is not None:
+            change = _squared_change(v, reference)
+            clock.need(self.index, _share_needed(change, v, settings.error))
+        k = None if reference is None else self._count(step, s)
         full = (
-            "v" not in caches.reference
+            reference is None
             or step < settings.warmup_steps
             or (settings.refresh_every and step % settings.refresh_every == 0)
+            or (settings.policy == "budget" and clock.shares is None)  # nothing measured yet
+            or (k is not None and k >= s and settings.residual is None)  # every token as values: the exact exchange is smaller
         )
         if full:
-            commstats.count_v_major(step, self.index, v.shape[4], v.shape[4])
+            commstats.count_v_major(step, self.index, s, s)
             return Step(self, caches, None)
-        mask = self._select(v, caches.reference["v"], step)
-        commstats.count_v_major(step, self.index, int(mask.sum()), v.shape[4])
-        return Step(self, caches, mask)
+        active = change.topk(k).indices if change is not None else self._select(v, reference, k)
+        commstats.count_v_major(step, self.index, active.numel(), s)
+        return Step(self, caches, active)
 
-    def _select(self, v: torch.Tensor, reference: torch.Tensor, step: int) -> torch.Tensor:
-        """The active tokens: a ``[s]`` bool mask over this rank's tokens."""
+    def _count(self, step: int, s: int) -> int | None:
+        """How many of its ``s`` tokens this rank sends at ``step``, where the policy fixes it (the
+        same on every rank); None for ``threshold``, whose count the data decides."""
+        settings = self.settings
+        if settings.policy == "top-k":
+            return math.ceil(settings.fraction * s)
+        if settings.policy == "schedule":
+            ramp = max(_total_steps() - settings.warmup_steps, 1)
+            cached = settings.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
+            return math.ceil((1.0 - cached) * s)
+        if settings.policy == "budget" and self.clock.shares is not None:
+            return min(math.ceil(self.clock.shares[self.index] * s), s)
+        return None
+
+    def _select(self, v: torch.Tensor, reference: torch.Tensor, k: int | None) -> torch.Tensor:
+        """The active tokens: indices into this rank's tokens (``k`` of them where the policy fixes
+        the count, on the device without a host synchronization)."""
         settings = self.settings
         dims = (0, 1, 3, 5)  # all but batch and token
         diff = (v - reference).float()
@@ -240,19 +354,23 @@ class Layer:
             norm = torch.linalg.vector_norm(reference.float(), dim=dims)
             change = torch.linalg.vector_norm(diff, dim=dims) / norm.clamp_min(torch.finfo(torch.float32).tiny)
         change = change.amax(0)  # [s]: the largest change over the batch
-        s = change.numel()
-        if settings.policy == "threshold":
-            return change > settings.threshold
-        if settings.policy == "top-k":
-            k = math.ceil(settings.fraction * s)
-        else:
-            total = _total_steps()
-            ramp = max(total - settings.warmup_steps, 1)
-            cached = settings.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
-            k = math.ceil((1.0 - cached) * s)
-        mask = torch.zeros(s, dtype=torch.bool, device=v.device)
-        mask[change.topk(k).indices] = True
-        return mask
+        if k is None:
+            return (change > settings.threshold).nonzero().flatten()
+        return change.topk(k).indices
+
+
+def _squared_change(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per token, ``||v - reference||^2`` over everything else (batch included): ``[s]``."""
+    return (v - reference).float().square().sum(dim=(0, 1, 2, 3, 5))
+
+
+def _share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> torch.Tensor:
+    """The smallest share of tokens whose sending (largest ``change`` first) leaves the relative L2
+    error of V as the receivers hold it within ``error``: a device scalar."""
+    ordered = change.sort(descending=True).values
+    left = ordered.sum() - torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])  # left out after sending k = 0..s
+    k = (left > error**2 * v.float().square().sum()).sum()
+    return k.float() / change.numel()
 
 
 def _cache_bytes(v: torch.Tensor, settings: Settings) -> int:
@@ -271,15 +389,21 @@ def _total_steps() -> int:
 
 @dataclass
 class Step:
-    """One layer call's V-Major decision: exact (``mask`` None), or sparse with this rank's mask.
+    """One layer call's V-Major decision: exact (``active`` None), or sparse with this rank's
+    active tokens.
 
     ``caches`` None: the layer is outside the budget, nothing is kept.
     """
 
     layer: Layer
     caches: _Caches | None
-    mask: torch.Tensor | None
-    selection: Any = None  # every rank's masks, once agreed by the V exchange
+    active: torch.Tensor | None
+    selection: Any = None  # the active rows and every rank's count, once known (the V exchange)
+
+    @property
+    def fixed(self) -> bool:
+        """Whether every rank's count is fixed by the settings and the step (no agreement)."""
+        return self.layer.settings.policy != "threshold"
 
     def covers(self, name: str, x: torch.Tensor) -> bool:
         """Whether the exchange ``name`` of ``x`` (destination-major) follows this decision."""
@@ -298,7 +422,7 @@ class Step:
         """
         caches, residual = self.caches, self.layer.settings.residual
         keeps_reference = name == "v" or residual is not None
-        if self.mask is None:
+        if self.active is None:
             if keeps_reference:
                 caches.reference[name] = x
             return x, False

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from cocodiff_xfuser import commstats, padding
@@ -50,6 +51,7 @@ def test_padded_bytes_are_counted():
     assert commstats.ran()["padded_bytes"] == 500
 
 
+@pytest.mark.distributed
 def test_verify_ulysses_3_is_within_tolerance_of_one_process():
     """8 heads, 32 text and 256 image tokens over 3 ranks: stock cannot split any of them."""
     result = subprocess.run(

@@ -71,21 +71,50 @@ def test_selection_policies():
     # [W, n, b, h/W, s, d] with token i changed by i/10 relative to the reference.
     reference = torch.ones(2, 1, 1, 2, 10, 4)
     v = reference * (1 + torch.arange(10.0) / 10)[:, None]
-    threshold = _layer(policy="threshold", threshold=0.45)._select(v, reference, step=1)
-    assert threshold.tolist() == [False] * 5 + [True] * 5
-    top = _layer(policy="top-k", fraction=0.3)._select(v, reference, step=1)
-    assert top.nonzero().flatten().tolist() == [7, 8, 9]
-    l1 = _layer(policy="threshold", metric="l1", threshold=0.25)._select(v, reference, step=1)
-    assert l1.nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 8, 9]
+    threshold = _layer(policy="threshold", threshold=0.45)
+    assert threshold._count(1, 10) is None  # the data decides the count
+    assert threshold._select(v, reference, None).tolist() == [5, 6, 7, 8, 9]
+    top = _layer(policy="top-k", fraction=0.3)
+    assert sorted(top._select(v, reference, top._count(1, 10)).tolist()) == [7, 8, 9]
+    l1 = _layer(policy="threshold", metric="l1", threshold=0.25)._select(v, reference, None)
+    assert l1.tolist() == [3, 4, 5, 6, 7, 8, 9]
 
 
 def test_schedule_raises_the_cached_share(monkeypatch):
     monkeypatch.setattr(vmajor, "_total_steps", lambda: 5)
     layer = _layer(policy="schedule", final_cached=0.8)
-    reference = torch.ones(2, 1, 1, 2, 10, 4)
-    v = reference * (1 + torch.arange(10.0) / 10)[:, None]
-    sent = [int(layer._select(v, reference, step=s).sum()) for s in range(1, 5)]
-    assert sent == [8, 6, 4, 2]  # cached share 0.2, 0.4, 0.6, 0.8 after one warm-up step
+    assert [layer._count(s, 10) for s in range(1, 5)] == [8, 6, 4, 2]  # cached 0.2 ... 0.8 after one warm-up step
+
+
+def test_budget_share_is_the_fewest_tokens_meeting_the_error():
+    # Token i of 10 changed by i (squared change i^2); V's squared norm 1000.
+    change = torch.arange(10.0) ** 2
+    v = torch.full((1000,), 1.0)
+    for error in (0.05, 0.1, 0.2, 0.5):
+        share = float(vmajor._share_needed(change, v, error))
+        k = round(share * 10)
+        left = sorted(change.tolist(), reverse=True)[k:]
+        assert sum(left) <= error**2 * 1000  # sending the k largest meets the budget ...
+        assert k == 0 or sum(left) + sorted(change.tolist(), reverse=True)[k - 1] > error**2 * 1000  # ... k-1 would not
+    assert float(vmajor._share_needed(torch.zeros(10), v, 0.1)) == 0.0
+
+
+def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
+    cal = tmp_path / "cal.yaml"
+    cal.write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0}, {error: 0.2, psnr_db: 30.0}, {error: 0.4, psnr_db: 31.0}]}\n"
+                   "  b: {points: [{error: 0.05, psnr_db: 45.0}, {error: 0.1, psnr_db: 41.0}, {error: 0.2, psnr_db: 37.0}]}\n")
+    # a: 35 dB halfway (in log error) between 0.1 and 0.2; b meets it at every calibrated error: a decides.
+    assert vmajor.error_for(35.0, cal) == pytest.approx(0.1 * 2**0.5)
+    # 42 dB: above a's measurements (its smallest error, logged); b: 3/4 of the way from 0.05 to 0.1.
+    assert vmajor.error_for(42.0, cal) == pytest.approx(0.05 * 2**0.75)
+    assert vmajor.error_for(20.0, cal) == pytest.approx(0.2)  # b's largest calibrated error bounds it
+    # a alone: 30.5 dB is met at 0.4 only if its curve may rise again; it may not.
+    (tmp_path / "a.yaml").write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0}, {error: 0.2, psnr_db: 30.0}, {error: 0.4, psnr_db: 31.0}]}\n")
+    assert vmajor.error_for(30.5, tmp_path / "a.yaml") == pytest.approx(0.1 * 2**0.95)
+    assert 0 < vmajor.error_for(vmajor.DEFAULT_MIN_PSNR_DB) < 1  # the shipped calibration
+    (tmp_path / "none.yaml").write_text("models: {}\n")
+    with pytest.raises(ValueError, match="no calibrated model"):
+        vmajor.error_for(38.0, tmp_path / "none.yaml")
 
 
 def _generate(tmp_path, name: str, cases: list, extra: tuple = ()) -> tuple[np.ndarray, dict]:
@@ -99,6 +128,7 @@ def _generate(tmp_path, name: str, cases: list, extra: tuple = ()) -> tuple[np.n
     return np.load(where / "images.npy"), json.loads((where / "result.json").read_text())
 
 
+@pytest.mark.distributed
 def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     """An image generated after another one in the same job is bitwise the image of a fresh job
     (the caches start over at every pipeline call); a budget no layer fits gives the exact exchange."""

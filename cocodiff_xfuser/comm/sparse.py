@@ -2,11 +2,13 @@
 
 The data is the destination-major input of a Ulysses exchange viewed as ``[W, P, s, d]``: chunk
 ``j`` goes to group rank ``j`` and is ``P`` planes (tensors x batch x heads) of ``s`` rows
-(tokens). Each sender marks the rows it sends over slow links (its *active* rows, the same set
-for every destination); the receivers update those rows of the previous exchange's result, which
-they keep, and reuse the others. Every rank first learns every rank's active set (one all-gather
-of packed bitmaps), so the uneven sizes of what follows are known everywhere and every rank
-launches the same collectives (the rule of :mod:`.order`).
+(tokens). Each sender chooses the rows it sends over slow links (its *active* rows, the same set
+for every destination); they travel with their indices (int32), and the receivers update those
+rows of the previous exchange's result, which they keep, and reuse the others. What every rank of
+the group sends is sized by the :class:`Selection`'s counts, which every rank knows before the
+exchange: from the settings and the step where the policy fixes the count (nothing to agree, no
+host synchronization), or from one all-gather of the counts (:func:`agree_counts`) where it does
+not. Either way every rank launches the same batches (the rule of :mod:`.order`).
 
 Two routings, like the exact exchange:
 
@@ -25,7 +27,6 @@ phase is posted in ``advance`` or ``wait``, at the same program point on every r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Sequence
 
 import torch
@@ -33,23 +34,6 @@ import torch.distributed as dist
 
 from . import order, subgroups, transport
 from .topology import Topology
-
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
-def pack_mask(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean ``[s]`` mask as ``ceil(s / 8)`` bytes (little-endian bits)."""
-    s = mask.numel()
-    padded = torch.zeros(-(-s // 8) * 8, dtype=torch.uint8, device=mask.device)
-    padded[:s] = mask.to(torch.uint8)
-    return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
-
-
-def unpack_mask(packed: torch.Tensor, s: int) -> torch.Tensor:
-    """The inverse of :func:`pack_mask` over the last dim: ``[..., ceil(s/8)]`` bytes -> ``[..., s]`` bool."""
-    bits = packed.unsqueeze(-1).bitwise_and(_BITS.to(packed.device)) != 0
-    return bits.flatten(-2)[..., :s]
-
 
 @dataclass
 class SlowLevel:
@@ -108,45 +92,53 @@ def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> di
 
 @dataclass(frozen=True)
 class Selection:
-    """Which rows every rank of a group sends over slow links: ``masks[j]`` is rank j's ``[s]`` mask."""
+    """This rank's active rows and how many rows every rank of the group sends over slow links."""
 
-    masks: torch.Tensor  # [W, s] bool, the same on every rank
-    me: int
+    active: torch.Tensor  # [k] this rank's rows (int64, on the device, any order)
+    counts: tuple[int, ...]  # k of every group rank, the same on every rank
 
-    @cached_property
-    def rows(self) -> list[torch.Tensor]:
-        """Each rank's active rows, ascending (computed once: V's and Q/K's exchanges share them)."""
-        return [mask.nonzero().flatten() for mask in self.masks]
-
-    @property
-    def active(self) -> torch.Tensor:
-        """This rank's active rows."""
-        return self.rows[self.me]
-
-    @cached_property
-    def counts(self) -> list[int]:
-        return [len(r) for r in self.rows]
+    @classmethod
+    def fixed(cls, active: torch.Tensor, world: int) -> Selection:
+        """Every rank sends ``len(active)`` rows: a count the settings fix, known everywhere."""
+        return cls(active, (active.numel(),) * world)
 
 
-def agree_selection(mask: torch.Tensor, group: Any) -> Selection:
-    """Every rank's active-row mask on every rank: one all-gather of packed bitmaps (collective)."""
-    packed = pack_mask(mask)
+def agree_counts(active: torch.Tensor, group: Any) -> Selection:
+    """Every rank's count on every rank: one all-gather of one integer (collective; it reads the
+    counts on the host, the one synchronization of a policy whose count varies)."""
     world = dist.get_world_size(group)
-    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    mine = torch.tensor([active.numel()], dtype=torch.int64, device=active.device)
+    counts = torch.empty(world, dtype=torch.int64, device=active.device)
     order.launched(group, "all_gather_into_tensor")
-    dist.all_gather_into_tensor(gathered, packed, group=group)
-    return Selection(unpack_mask(gathered.view(world, -1), mask.numel()), dist.get_rank(group))
+    dist.all_gather_into_tensor(counts, mine, group=group)
+    return Selection(active, tuple(counts.tolist()))
 
 
 def sent_bytes(x: torch.Tensor, rows: torch.Tensor, level: SlowLevel) -> tuple[int, int]:
-    """Bytes this rank's data sends to other nodes: (sparse, ``rows`` and the bitmap; exact)."""
+    """Bytes this rank's data sends to other nodes: (sparse: ``rows`` with their indices; exact)."""
     w, p, s, d = x.shape
     remote = sum(not level.fast(j) for j in range(w))
-    return remote * (rows[0].numel() * rows.element_size() + -(-s // 8)), remote * x[0].numel() * x.element_size()
+    k = rows.shape[2]
+    return remote * (rows[0].numel() * rows.element_size() + k * _INDEX_BYTES), remote * x[0].numel() * x.element_size()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
+
+
+#: Indices travel as int32 ahead of the rows (4-byte aligned: rows of any dtype view in place).
+_INDEX_BYTES = 4
+
+
+def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Received bytes as ``dtype`` (copied first where a relayed piece starts off its alignment)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return (data if data.storage_offset() % size == 0 else data.clone()).view(dtype)
+
+
+def _payload(rows: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """What goes over a slow link to one destination: the indices, then the rows."""
+    return torch.cat([_bytes(active.to(torch.int32)), _bytes(rows)])
 
 
 def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
@@ -162,8 +154,9 @@ class SparseHandle:
     """A sparse exchange in flight; :meth:`wait` writes it into the receiver's previous result.
 
     ``x`` (``[W, P, s, d]``) goes whole to node-mates; ``rows`` (``[W, P, k, d]``, this rank's
-    active rows in ascending order) to the other nodes, as values, or with ``residual`` as the
-    change since the receivers' copy, which they add (any dtype: everything travels as bytes).
+    rows ``selection.active`` in that order) with their indices to the other nodes, as values, or
+    with ``residual`` as the change since the receivers' copy, which they add (any dtype:
+    everything travels as bytes).
     """
 
     def __init__(
@@ -178,35 +171,38 @@ class SparseHandle:
         residual: bool = False,
     ) -> None:
         w, p, s, d = x.shape
-        self._selection, self._level, self._into = selection, level, into
+        self._level, self._into = level, into
         self._rows_dtype, self._residual = rows.dtype, residual
         self._full_bytes = x[0].numel() * x.element_size()
-        self._row_bytes = p * d * rows.element_size()
+        self._unit = _INDEX_BYTES + p * d * rows.element_size()  # one active row with its index
         self._counts = selection.counts
         self._phase2 = None
         self._two_phase = two_phase
         self._placed = False  # wait() places the received rows once
         device = x.device
         if not two_phase:
-            inp = [_bytes(x[j] if level.fast(j) else rows[j]) for j in range(w)]
+            inp = [_bytes(x[j]) if level.fast(j) else _payload(rows[j], selection.active) for j in range(w)]
             self._received = [torch.empty(self._size(j), dtype=torch.uint8, device=device) for j in range(w)]
             self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
-        # for that lane on every other node (node order).
+        # (with their indices) for that lane on every other node (node order).
         nodes, lanes = max(level.node) + 1, max(level.lane) + 1
         me_node = level.node[level.me]
         self._others = [n for n in range(nodes) if n != me_node]
         self._mates = [level.at(me_node, l) for l in range(lanes)]
-        inp = [torch.cat([_bytes(x[self._mates[l]])] + [_bytes(rows[level.at(n, l)]) for n in self._others]) for l in range(lanes)]
+        inp = [
+            torch.cat([_bytes(x[self._mates[l]])] + [_payload(rows[level.at(n, l)], selection.active) for n in self._others])
+            for l in range(lanes)
+        ]
         self._phase1_out = [
-            torch.empty(self._full_bytes + len(self._others) * self._counts[m] * self._row_bytes, dtype=torch.uint8, device=device)
+            torch.empty(self._full_bytes + len(self._others) * self._counts[m] * self._unit, dtype=torch.uint8, device=device)
             for m in self._mates
         ]
         self._pending = _post_uneven(self._phase1_out, inp, level.local_group, "sparse phase 1 (node)")
 
     def _size(self, j: int) -> int:
-        return self._full_bytes if self._level.fast(j) else self._counts[j] * self._row_bytes
+        return self._full_bytes if self._level.fast(j) else self._counts[j] * self._unit
 
     def advance(self) -> bool:
         """Post the slow phase once the node phase is in (a stream wait on NCCL/XCCL)."""
@@ -222,7 +218,7 @@ class SparseHandle:
         forward: dict[int, list[torch.Tensor]] = {n: [] for n in self._others}
         for mate, buf in zip(self._mates, self._phase1_out):
             self._full[mate] = buf[:full]
-            k = self._counts[mate] * self._row_bytes
+            k = self._counts[mate] * self._unit
             for i, n in enumerate(self._others):
                 forward[n].append(buf[full + i * k : full + (i + 1) * k])
         empty = self._phase1_out[0][:0]
@@ -235,13 +231,13 @@ class SparseHandle:
             srcs = [level.at(n, level.lane[m]) for m in self._mates]
             self._sources.append((srcs, len(out)))
             inp.append(torch.cat(forward[n]))
-            out.append(torch.empty(sum(self._counts[j] for j in srcs) * self._row_bytes, dtype=torch.uint8, device=empty.device))
+            out.append(torch.empty(sum(self._counts[j] for j in srcs) * self._unit, dtype=torch.uint8, device=empty.device))
         self._phase2_out = out
         self._phase2 = _post_uneven(out, inp, level.cross_group, "sparse phase 2 (across nodes)")
 
     def wait(self) -> torch.Tensor:
         """Complete the exchange into ``into`` (``[W, P, s, d]``, the previous result): rows from
-        node-mates are replaced, rows from other nodes only where their sender marked them active.
+        node-mates are replaced, rows from other nodes only where their sender sent them.
         Idempotent: the rows (or residuals) are placed once."""
         into = self._into
         if self._placed:
@@ -257,7 +253,7 @@ class SparseHandle:
         for j, piece in self._full.items():
             self._place(into, j, piece)
         for srcs, slot in self._sources:
-            for j, piece in zip(srcs, self._phase2_out[slot].split([self._counts[j] * self._row_bytes for j in srcs])):
+            for j, piece in zip(srcs, self._phase2_out[slot].split([self._counts[j] * self._unit for j in srcs])):
                 self._place(into, j, piece)
         return into
 
@@ -266,8 +262,9 @@ class SparseHandle:
         if self._level.fast(j):
             into[j].view(-1).view(torch.uint8).copy_(piece)
             return
-        rows = piece.view(self._rows_dtype).view(p, -1, d)
-        active = self._selection.rows[j]
+        k = self._counts[j]
+        active = _view(piece[: k * _INDEX_BYTES], torch.int32).long()
+        rows = _view(piece[k * _INDEX_BYTES :], self._rows_dtype).view(p, k, d)
         if self._residual:
             into[j].index_add_(1, active, rows.to(into.dtype))
         else:

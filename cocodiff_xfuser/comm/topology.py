@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-#: Topology presets, shipped inside the package.
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+from ..shipped import CONFIGS
+
+#: Topology presets (the top-level configs/, installed with the package).
+CONFIG_DIR = CONFIGS
 
 _DEFAULT_NAMES = {2: ("node", "gpu"), 3: ("node", "gpu", "tile")}
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from cocodiff_xfuser import vmajor
+from cocodiff_xfuser import backend, vmajor
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -117,7 +117,8 @@ def install(transformer: torch.nn.Module, v_major: vmajor.Settings | None = None
 def _attach_v_major(transformer: torch.nn.Module, settings: vmajor.Settings) -> None:
     clock = transformer.__dict__.get("_cocodiff_clock")
     if clock is None:
-        clock = transformer._cocodiff_clock = vmajor.attach_clock(transformer)
+        active = backend.active()
+        clock = transformer._cocodiff_clock = vmajor.attach_clock(transformer, None if active is None else active.group)
     ours = tuple(replacements().values())
     for module in transformer.modules():
         processor = getattr(module, "processor", None)

@@ -21,7 +21,7 @@ import torch
 from cocodiff_xfuser import backend, commstats, padding, vmajor
 from cocodiff_xfuser.comm import layout as comm_layout
 from cocodiff_xfuser.comm.agreement import any_rank
-from cocodiff_xfuser.comm.sparse import agree_selection
+from cocodiff_xfuser.comm.sparse import Selection, agree_counts
 from cocodiff_xfuser.platform import detect
 from cocodiff_xfuser.xfuser import compat
 
@@ -57,7 +57,7 @@ class PendingExchange:
         self._name = "v" if layer is not None else "qk"
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
-        if v_major is None and (layer is None or active.slow_level is None):
+        if v_major is None and (layer is None or active.slow_level is None or active.v_major_off):
             # Exact: the head blocks are written once, in the order the chosen exchange sends.
             self.v_major = None
             self._calibration = commstats.calibrating(label, self._nbytes)
@@ -66,23 +66,27 @@ class PendingExchange:
             return
         # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
         stacked = comm_layout.heads(tensors, (world,), (0,))
-        if layer is not None and active.slow_level is not None:
+        bookkeeping = time.perf_counter()
+        if layer is not None and active.slow_level is not None and not active.v_major_off:
             v_major = layer.begin(stacked)
         self.v_major = v_major if v_major is not None and v_major.covers(self._name, stacked) else None
-        if self.v_major is not None and self.v_major.mask is not None:
-            if self.v_major.selection is None:  # V's exchange agrees the masks; Q/K's reuse them
-                self.v_major.selection = agree_selection(self.v_major.mask, active.group)
+        if self.v_major is not None and self.v_major.active is not None:
+            if self.v_major.selection is None:  # set by V's exchange; Q/K's reuse it
+                step = self.v_major
+                step.selection = Selection.fixed(step.active, world) if step.fixed else agree_counts(step.active, active.group)
             rows, residual = self.v_major.rows(self._name, stacked)
+            commstats.count_v_major_time(time.perf_counter() - bookkeeping)
             into = self.v_major.caches.received[self._name]
             self._calibration = False
             planes = len(tensors) * b * (h // world)  # [W, n, b, h/W, s, d] as [W, planes, s, d]
             self._handle = active.start_sparse(
                 stacked.view(world, planes, s, d), rows.view(world, planes, rows.shape[4], d), self.v_major.selection,
-                into.view(world, planes, s, d), label, residual,
+                into.view(world, planes, s, d), label, residual, of_v=layer is not None,
             )
         else:
             if self.v_major is not None:
                 self.v_major.rows(self._name, stacked)
+            commstats.count_v_major_time(time.perf_counter() - bookkeeping)
             self._calibration = commstats.calibrating(label, self._nbytes)
             self._handle = active.start(stacked, label)
         self._exchanged = self._handle.wait() if self._calibration else None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
+from cocodiff_xfuser import vmajor
 from cocodiff_xfuser.tools import demo, quality, verify
 from cocodiff_xfuser.tools import topology_cli
 from cocodiff_xfuser.tools.launcher import TorchrunError
@@ -41,14 +43,16 @@ def _parser() -> argparse.ArgumentParser:
     quality_cmd.add_argument("--ulysses-degree", type=int, default=quality.DEFAULT_ULYSSES)
     quality_cmd.add_argument("--ring-degree", type=int, default=1)
     quality_cmd.add_argument("--topology", default=None, help="emulated NxL[xT]; default: 2 nodes x (ranks / 2)")
-    quality_cmd.add_argument("--prompts", default=None, help="comma-separated; default: every digit (digits-flux)")
+    quality_cmd.add_argument("--prompts", default=None, help="comma-separated; default: every digit (digits-flux, digits-sd3)")
     quality_cmd.add_argument("--seeds", type=int, default=quality.DEFAULT_SEEDS, help="seeds per prompt")
     quality_cmd.add_argument("--seed", type=int, default=0, help="the first seed")
     quality_cmd.add_argument("--steps", type=int, default=None, help="default: the model's")
     quality_cmd.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")
-    quality_cmd.add_argument("--v-major", choices=("off", "on"), default="off", help="cocodiff with V-Major (--cocodiff-v-major)")
-    quality_cmd.add_argument("--sweep", choices=("v-major",), default=None,
-                             help="measure every V-Major setting of the sweep against stock (JSON and a plot in --out)")
+    quality_cmd.add_argument("--v-major", choices=vmajor.MODES, default="off",
+                             help="cocodiff with V-Major (--cocodiff-v-major; auto takes --cocodiff-v-major-min-psnr DB)")
+    quality_cmd.add_argument("--sweep", choices=sorted(quality.SWEEPS), default=None,
+                             help="measure every V-Major setting of the sweep against stock (JSON and a plot in --out; "
+                                  "v-major-budget: also the auto mode's calibration points)")
     quality_cmd.add_argument("--out", default="quality-output", help="directory for quality.json and quality.png")
     quality_cmd.add_argument("--timeout", type=float, default=quality.TIMEOUT_S, help="seconds for the torchrun job")
     quality_cmd.add_argument("--json", action="store_true", help="print one JSON object")
@@ -87,8 +91,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Optional modules, by top-level name, and the extra that installs each.
+EXTRAS = {"sklearn": "quality", "skimage": "quality", "pytorch_msssim": "quality", "tqdm": "quality", "matplotlib": "bench"}
+#: What a command needs before it launches anything (``bench`` draws its figures only if it can).
+NEEDS = {"quality": ("sklearn", "skimage", "pytorch_msssim", "tqdm"), "demo": ("sklearn", "skimage", "pytorch_msssim", "tqdm")}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; bad input is one line on stderr and exit status 2 (no traceback)."""
+    """Run a command; bad input, and an optional dependency missing, is one line on stderr and exit
+    status 2 (no traceback)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -96,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     name = " ".join(filter(None, ("cocodiff", args.command, getattr(args, "kind", None))))
     try:
+        for module in NEEDS.get(args.command, ()):
+            importlib.import_module(module)
         if args.command == "verify":
             return verify.main(args, extra)
         if args.command == "quality":
@@ -116,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     except TorchrunError as e:
         print(f"{name}: the job failed: {e.first_line()}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"{name}: needs {e.name}, which is not installed: pip install 'cocodiff-xfuser[{extra}]'", file=sys.stderr)
+        return 2
     raise AssertionError(args.command)
 
 

@@ -34,6 +34,7 @@ VARIANTS = {
     "cocodiff": {"sp_backend": "cocodiff"},
     "cocodiff+vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True},
     "cocodiff+vfirst+vmajor": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on"},
+    "cocodiff+vfirst+vmajor-auto": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "auto"},
 }
 
 

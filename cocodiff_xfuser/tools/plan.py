@@ -24,7 +24,7 @@ One exchange of ``x`` bytes per rank over a group is priced per link level:
   then Q/K, and hides up to the Q/K projection time of V's exchange (the compute estimate: on the
   emulated runs the stock step time minus its communication; on GPU presets a FLOP count at a
   stated TFLOP/s); V-Major scales the slow level's Q/K/V bytes by the active fraction and the
-  residual dtype (defaults from ``docs/results/sweep-v-major.json``); ring attention passes K/V
+  residual dtype (defaults from ``docs/results/sweep-v-major-digits-flux.json``); ring attention passes K/V
   ``R - 1`` times per layer, hidden behind attention compute where it fits.
 
 Validation (``--validate``): every shipped measurement in ``docs/results`` the model can predict

@@ -8,9 +8,9 @@ Ulysses on the same layout (the reference of the metrics) and with the one-proce
 Metrics come from maintained libraries: PSNR and SSIM from scikit-image, MS-SSIM from
 pytorch-msssim (3x3 windows: five scales of a 64 px image need windows under 5 px; images under
 33 px have no MS-SSIM, reported as None). PSNR of
-identical images is infinite (JSON ``Infinity``, as Python's json writes it). On
-``digits-flux`` a classifier fitted on the real digits labels every image, and the share
-labelled as its prompt's digit is reported for the reference and the candidate.
+identical images is infinite (JSON ``Infinity``, as Python's json writes it). On the trained
+digits models (``digits-flux``, ``digits-sd3``) a classifier fitted on the real digits labels every
+image, and the share labelled as its prompt's digit is reported for the reference and the candidate.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
+from cocodiff_xfuser import vmajor
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import digits
@@ -44,7 +45,7 @@ def default_topology(world_size: int) -> str | None:
 
 def default_prompts(model: str) -> list[str]:
     """Every class of the digits model; the verify prompt for the random-weight models."""
-    return list(digits.CLASSES) if model == digits.NAME else [PROMPT]
+    return list(digits.CLASSES) if model in digits.TRAINED else [PROMPT]
 
 
 def image_metrics(reference: np.ndarray, candidate: np.ndarray) -> dict:
@@ -181,7 +182,7 @@ def _report(run: Run, flags: list[str], cases: list, stock: dict, ours: dict, si
         "ran": {"ulysses": stock["ran"], "cocodiff": ran},
         "images": [{"prompt": p, "seed": s, **m} for (p, s), m in zip(cases, per_image)],
     }
-    if run.model == digits.NAME:
+    if run.model in digits.TRAINED:
         classifier = digits.Classifier()
         asked = [digits.label(prompt) for prompt, _ in cases]
         rows = [i for i, label in enumerate(asked) if label is not None]
@@ -205,16 +206,32 @@ def measure(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, t
     tiny_models.ensure_fixture(run.model)
     cases = [[prompt, seed] for prompt in prompts for seed in seeds]
     out.mkdir(parents=True, exist_ok=True)
-    results = _generate(run, cases, {"cocodiff": {"sp_backend": "cocodiff"}}, timeout, progress)
+    variants = {"cocodiff": {"sp_backend": "cocodiff"}}
+    if _v_major(run):  # its cost is stated against V-First alone, timed in the same job
+        variants[V_FIRST] = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "off",
+                             "cocodiff_v_major_min_psnr": None}
+    results = _generate(run, cases, variants, timeout, progress)
     single = np.concatenate([
         tiny_models.reference_images(run.model, prompt, seed, run.height, run.width, run.steps)
         for prompt, seed in _maybe_bar(cases, progress, "one process")
     ])
     flags = list(run.extra) + (["--cocodiff-v-first"] if run.v_first else [])
     report = _report(run, flags, cases, results["ulysses"], results["cocodiff"], single)
+    if V_FIRST in results:
+        report["v_first_step_s"] = _step_s(results[V_FIRST])
+        report["step_vs_v_first"] = report["step_s"] / report["v_first_step_s"]
     save_grid(results["ulysses"]["images"], results["cocodiff"]["images"], out / "quality.png")
     (out / "quality.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+#: The variant that times V-First alone beside a V-Major run.
+V_FIRST = "cocodiff+vfirst"
+
+
+def _v_major(run: Run) -> bool:
+    flags = list(run.extra)
+    return any(f == "--cocodiff-v-major" and i + 1 < len(flags) and flags[i + 1] != "off" for i, f in enumerate(flags))
 
 
 #: ``--sweep v-major``: name -> V-Major settings, each measured against stock in one job.
@@ -229,37 +246,86 @@ V_MAJOR_SWEEP = {
     "top-k 0.5 bf16": {"policy": "top-k", "fraction": 0.5, "residual_dtype": "bfloat16"},
     "threshold 0.1 fp8": {"policy": "threshold", "threshold": 0.1, "residual_dtype": "float8_e4m3fn"},
 }
+#: ``--sweep v-major-budget``: the ``budget`` policy as ``--cocodiff-v-major auto`` runs it (the shipped
+#: defaults otherwise) at several errors: the points of ``configs/policies/v-major-calibration.yaml``.
+BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "float8_e4m3fn"}
+                for e in (0.03, 0.05, 0.1, 0.15, 0.2, 0.3)}
+#: ``--sweep frontier``: V-Major against the peers' compression of the same traffic, one byte counter:
+#: fp8 on every link with a scale per token and head (xDiT's and cache-dit's fp8 Ulysses traffic,
+#: ``--cocodiff-compress fp8``), and every token's change since the receivers' copy with error
+#: feedback on the slow level (CompactFusion's idea: V-Major sending every token as residuals).
+FRONTIER_SWEEP = {
+    "fp8 every link": {"compress": "fp8"},
+    "all tokens fp8 residuals": {"policy": "top-k", "fraction": 1.0, "residual_dtype": "float8_e4m3fn"},
+    "all tokens bf16 residuals": {"policy": "top-k", "fraction": 1.0, "residual_dtype": "bfloat16"},
+    **{f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "float8_e4m3fn"} for e in (0.03, 0.05, 0.1)},
+    "budget 0.05 values": {"policy": "budget", "error": 0.05},
+    "budget 0.05 scope v": {"policy": "budget", "error": 0.05, "scope": "v", "residual_dtype": "float8_e4m3fn"},
+    "threshold 0.1 fp8": {"policy": "threshold", "threshold": 0.1, "residual_dtype": "float8_e4m3fn"},
+}
+SWEEPS = {"v-major": V_MAJOR_SWEEP, "v-major-budget": BUDGET_SWEEP, "frontier": FRONTIER_SWEEP}
+
+
+def _variant(knobs: dict) -> tuple[dict, list[str]]:
+    """A sweep point's runner args and the flags a user would give: ``compress`` for the fp8
+    exchange, else V-Major knobs (without a residual dtype, active rows travel as values)."""
+    if "compress" in knobs:
+        return ({"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_compress": knobs["compress"]},
+                ["--cocodiff-v-first", f"--cocodiff-compress={knobs['compress']}"])
+    knobs = {"residual_dtype": "none", **knobs}
+    args = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on",
+            **{f"cocodiff_v_major_{key}": value for key, value in knobs.items()}}
+    return args, ["--cocodiff-v-major", "on"] + [f"--cocodiff-v-major-{k.replace('_', '-')}={v}" for k, v in knobs.items()]
 
 
 def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, timeout: float = TIMEOUT_S,
-                  progress: bool = True, points: dict[str, dict] | None = None) -> dict:
-    """Every V-Major setting of ``points`` (default :data:`V_MAJOR_SWEEP`) against stock, in one job.
-
-    A point without a residual dtype sends active rows as values; its other knobs are the shipped defaults.
+                  progress: bool = True, points: dict[str, dict] | None = None, name: str = "v-major") -> dict:
+    """Every setting of ``points`` (default: the sweep ``name`` of :data:`SWEEPS`) against stock,
+    and V-First alone (the step time the others are compared with), in one job;
+    ``sweep-<name>.json`` and ``.png`` in ``out`` (the budget sweep also writes the model's
+    calibration points, ``v-major-calibration.yaml``). A point's knobs not given are the shipped
+    defaults (:func:`_variant`).
     """
     run.check()
     tiny_models.ensure_fixture(run.model)
-    points = {name: {"residual_dtype": "none", **knobs} for name, knobs in (V_MAJOR_SWEEP if points is None else points).items()}
+    sweep = name
+    points = SWEEPS[sweep] if points is None else points
     cases = [[prompt, seed] for prompt in prompts for seed in seeds]
     out.mkdir(parents=True, exist_ok=True)
-    variants = {
-        name: {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on",
-               **{f"cocodiff_v_major_{key}": value for key, value in knobs.items()}}
-        for name, knobs in points.items()
-    }
+    variants = {name: _variant(knobs)[0] for name, knobs in points.items()}
+    variants[V_FIRST] = {"sp_backend": "cocodiff", "cocodiff_v_first": True}
     results = _generate(run, cases, variants, timeout, progress)
     rows = []
     for name, knobs in points.items():
-        flags = ["--cocodiff-v-major", "on"] + [f"--cocodiff-v-major-{k.replace('_', '-')}={v}" for k, v in knobs.items()]
-        report = _report(run, list(run.extra) + flags, cases, results["ulysses"], results[name], None)
+        report = _report(run, list(run.extra) + _variant(knobs)[1], cases, results["ulysses"], results[name], None)
         keep = ("psnr_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
                 "slow_link_bytes_saved_fraction", "v_major_active_fraction", "step_s", "reference_step_s")
         rows.append({"name": name, "settings": knobs, **{key: report[key] for key in keep}})
     summary = {"model": run.model, "ulysses_degree": run.ulysses_degree, "topology": run.topology,
-               "cases": len(cases), "steps": results["ulysses"]["steps"], "points": rows}
-    (out / "sweep-v-major.json").write_text(json.dumps(summary, indent=1))
-    _plot_sweep(summary, out / "sweep-v-major.png")
+               "cases": len(cases), "steps": results["ulysses"]["steps"], "v_first_step_s": _step_s(results[V_FIRST]),
+               "points": rows}
+    (out / f"sweep-{sweep}-{run.model}.json").write_text(json.dumps(summary, indent=1))
+    _plot_sweep(summary, out / f"sweep-{sweep}-{run.model}.png")
+    if sweep == "v-major-budget":
+        write_calibration(summary, out / vmajor.CALIBRATION.name)
     return summary
+
+
+def write_calibration(summary: dict, path: Path) -> None:
+    """Merge the budget sweep's (error, PSNR) points of its model into the calibration file at
+    ``path`` (the format of ``configs/policies/v-major-calibration.yaml``)."""
+    import yaml
+
+    text = path.read_text() if path.exists() else ""
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    data = yaml.safe_load(text) or {"models": {}}
+    data["models"][summary["model"]] = {
+        "measured": f"cocodiff quality --model {summary['model']} --sweep v-major-budget: ulysses "
+                    f"{summary['ulysses_degree']} on {summary['topology']}, {summary['cases']} images, {summary['steps']} steps",
+        "points": [{"error": r["settings"]["error"], "psnr_db": round(r["psnr_db"], 2), "min_psnr_db": round(r["min_psnr_db"], 2)}
+                   for r in summary["points"]],
+    }
+    path.write_text(header + yaml.safe_dump(data, sort_keys=False))
 
 
 def _plot_sweep(summary: dict, path: Path) -> None:
@@ -273,7 +339,8 @@ def _plot_sweep(summary: dict, path: Path) -> None:
     for row in summary["points"]:
         saved = 100 * (row["slow_link_bytes_saved_fraction"] or 0.0)
         psnr = min(row["psnr_db"], 80.0)
-        marker = "s" if "scope v" in row["name"] else ("^" if row["name"].startswith("top-k") else "o")
+        peer = row["settings"].get("compress") or row["settings"].get("fraction") == 1.0
+        marker = "D" if peer else "s" if "scope v" in row["name"] else ("^" if row["name"].startswith("top-k") else "o")
         for ax, y in ((axes[0], psnr), (axes[1], row["classifier_agreement"])):
             if y is None:
                 continue
@@ -293,15 +360,16 @@ def _plot_sweep(summary: dict, path: Path) -> None:
 
 
 def format_sweep(summary: dict, out: Path) -> str:
-    lines = [f"{'setting':<24} {'PSNR dB':>8} {'worst':>7} {'SSIM':>7} {'MS-SSIM':>8} {'class.':>7} {'saved':>7} {'active':>7} {'step ms':>8}"]
+    nan = float("nan")
+    lines = [f"{'setting':<28} {'PSNR dB':>8} {'worst':>7} {'SSIM':>7} {'MS-SSIM':>8} {'class.':>7} {'saved':>7} {'active':>7} {'step ms':>8}"]
     for r in summary["points"]:
         lines.append(
-            f"{r['name']:<24} {r['psnr_db']:8.2f} {r['min_psnr_db']:7.2f} {r['ssim']:7.4f} "
-            f"{(r['ms_ssim'] or float('nan')):8.4f} {(r['classifier_agreement'] or float('nan')):7.2f} "
-            f"{r['slow_link_bytes_saved_fraction']:7.1%} {r['v_major_active_fraction']:7.1%} {r['step_s'] * 1e3:8.1f}"
+            f"{r['name']:<28} {r['psnr_db']:8.2f} {r['min_psnr_db']:7.2f} {r['ssim']:7.4f} "
+            f"{(r['ms_ssim'] or nan):8.4f} {(r['classifier_agreement'] or nan):7.2f} "
+            f"{r['slow_link_bytes_saved_fraction']:7.1%} {(r['v_major_active_fraction'] or nan):7.1%} {r['step_s'] * 1e3:8.1f}"
         )
-    lines.append(f"stock classifier agreement {summary['points'][0]['reference_classifier_agreement']}; "
-                 f"JSON and plot in {out.resolve()}")
+    lines.append(f"V-First alone {summary['v_first_step_s'] * 1e3:.1f} ms per step; stock classifier agreement "
+                 f"{summary['points'][0]['reference_classifier_agreement']}; JSON and plot in {out.resolve()}")
     return "\n".join(lines)
 
 
@@ -335,8 +403,20 @@ def format_report(report: dict, out: Path) -> str:
         f"  step time: cocodiff {report['step_s'] * 1e3:.1f} ms, {REFERENCE} {report['reference_step_s'] * 1e3:.1f} ms; "
         f"slow-link bytes saved: " + ("n/a (no slow level)" if saved is None else f"{saved:.1%}")
     )
+    if report.get("v_first_step_s"):
+        lines.append(f"  V-First alone in the same job: {report['v_first_step_s'] * 1e3:.1f} ms; "
+                     f"V-Major's step is {report['step_vs_v_first']:.2f}x it")
     lines.append(f"  grid (reference | candidate | {DIFF_GAIN}x |diff|) and JSON in {out.resolve()}")
     return "\n".join(lines)
+
+
+def _keep(args, extra: Sequence[str]) -> tuple[str, ...]:
+    """Auto keeps V-Major on here: this command measures the images and bytes V-Major gives; whether
+    its exchange is faster than the exact one is a property of the job's links (loopback here), which
+    the auto mode checks in the job itself (``cocodiff bench e2e`` runs it on emulated clusters)."""
+    if args.v_major != "auto" or any(flag.replace("_", "-").startswith("--cocodiff-v-major-if-slower") for flag in extra):
+        return ()
+    return ("--cocodiff-v-major-if-slower", "keep")
 
 
 def main(args, extra: Sequence[str] = ()) -> int:
@@ -348,13 +428,13 @@ def main(args, extra: Sequence[str] = ()) -> int:
         topology=args.topology or default_topology(world_size),
         steps=args.steps,
         v_first=args.v_first,
-        extra=tuple(extra) + (("--cocodiff-v-major", args.v_major) if args.v_major != "off" else ()),
+        extra=tuple(extra) + (("--cocodiff-v-major", args.v_major) if args.v_major != "off" else ()) + _keep(args, extra),
     )
     prompts = [p.strip() for p in args.prompts.split(",")] if args.prompts else default_prompts(args.model)
     seeds = list(range(args.seed, args.seed + args.seeds))
     out = Path(args.out)
     if args.sweep:
-        summary = sweep_v_major(run, prompts, seeds, out, timeout=args.timeout, progress=not args.json)
+        summary = sweep_v_major(run, prompts, seeds, out, timeout=args.timeout, progress=not args.json, name=args.sweep)
         print(json.dumps(summary) if args.json else format_sweep(summary, out))
         return 0
     report = measure(run, prompts, seeds, out, timeout=args.timeout, progress=not args.json)

@@ -48,6 +48,7 @@ def _activating_backend(original):
                     v_first=bool(getattr(config, "cocodiff_v_first", False)) or v_major is not None,
                     v_major=v_major,
                     timeout_s=float(timeout) if timeout is not None else faults.default_timeout_s(),
+                    compress=getattr(config, "cocodiff_compress", None) or "none",
                 )
                 backend.activate(get_sp_group().ulysses_group, options)
             except (ValueError, Disagreement) as e:

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 import types
 
 from cocodiff_xfuser import vmajor
-from cocodiff_xfuser.comm import faults
+from cocodiff_xfuser.comm import compress, faults
 from cocodiff_xfuser.comm.registry import A2A_SETTINGS
 from cocodiff_xfuser.xfuser import compat
 
@@ -75,11 +77,29 @@ def _add_backend_args(parser) -> None:
 
 
     group.add_argument(
+        "--cocodiff_compress",
+        "--cocodiff-compress",
+        choices=compress.SETTINGS,
+        default="none",
+        help="cocodiff: fp8: every Ulysses exchange in fp8 with one scale per token and head (lossy, on every link; "
+        "compared with V-Major in docs/benchmarks.md).",
+    )
+    group.add_argument(
         "--cocodiff_v_major",
         "--cocodiff-v-major",
         choices=vmajor.MODES,
         default="off",
-        help="cocodiff: V-Major: over slow links send only the tokens whose V changed (lossy; implies V-First).",
+        help="cocodiff: V-Major: over slow links send only the tokens whose V changed (lossy; implies V-First); "
+        "auto: the fewest tokens per layer that meet --cocodiff-v-major-min-psnr.",
+    )
+    group.add_argument(
+        "--cocodiff_v_major_min_psnr",
+        "--cocodiff-v-major-min-psnr",
+        type=float,
+        default=None,
+        metavar="DB",
+        help=f"cocodiff: with --cocodiff-v-major auto, the PSNR (dB, against the exact run) to keep "
+        f"(default {vmajor.DEFAULT_MIN_PSNR_DB:g}; calibrated on the trained models, {vmajor.CALIBRATION.name}).",
     )
     group.add_argument(
         "--cocodiff_v_major_config",
@@ -103,6 +123,7 @@ V_MAJOR_KNOBS = (
     ("policy", str, f"token selection: {', '.join(vmajor.POLICIES)}"),
     ("metric", str, f"change of a token: {', '.join(vmajor.METRICS)}"),
     ("threshold", float, "change above which a token is sent (policy threshold)"),
+    ("error", float, "relative L2 error of V kept per layer (policy budget)"),
     ("fraction", float, "share of tokens sent per step (policy top-k)"),
     ("final_cached", float, "cached share reached at the last step (policy schedule)"),
     ("warmup_steps", int, "first steps exchanged in full"),
@@ -110,20 +131,34 @@ V_MAJOR_KNOBS = (
     ("scope", str, f"exchanges the mask gates: {', '.join(vmajor.SCOPES)}"),
     ("residual_dtype", str, f"active rows over slow links: {', '.join(vmajor.RESIDUAL_DTYPES)} (none: values)"),
     ("budget_mib", float, "bound on the caches in MiB; layers beyond it use the exact exchange"),
+    ("if_slower", str, f"auto, where its sparse exchange is not faster than the exact one: {', '.join(vmajor.IF_SLOWER)}"),
 )
 
 BACKEND_KEYS = (
-    "sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first", "cocodiff_timeout",
-    "cocodiff_v_major", "cocodiff_v_major_config", *(f"cocodiff_v_major_{name}" for name, _, _ in V_MAJOR_KNOBS),
+    "sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first", "cocodiff_timeout", "cocodiff_compress",
+    "cocodiff_v_major", "cocodiff_v_major_config", "cocodiff_v_major_min_psnr",
+    *(f"cocodiff_v_major_{name}" for name, _, _ in V_MAJOR_KNOBS),
 )
 
 
 def v_major_settings(runtime_config) -> vmajor.Settings | None:
     """The V-Major settings the flags ask for (None: off); ValueError for bad ones."""
-    if (getattr(runtime_config, "cocodiff_v_major", None) or "off") == "off":
+    mode = getattr(runtime_config, "cocodiff_v_major", None) or "off"
+    min_psnr = getattr(runtime_config, "cocodiff_v_major_min_psnr", None)
+    if min_psnr is not None and mode != "auto":
+        raise ValueError("--cocodiff-v-major-min-psnr needs --cocodiff-v-major auto")
+    if mode == "off":
         return None
     overrides = {name: getattr(runtime_config, f"cocodiff_v_major_{name}", None) for name, _, _ in V_MAJOR_KNOBS}
-    return vmajor.Settings.load(getattr(runtime_config, "cocodiff_v_major_config", None), **overrides)
+    if mode == "auto":
+        chosen = [f"--cocodiff-v-major-{name}" for name in ("policy", "error") if overrides[name] is not None]
+        if chosen:
+            raise ValueError(f"--cocodiff-v-major auto sets {' and '.join(chosen)} itself, from --cocodiff-v-major-min-psnr: "
+                             f"leave {'them' if len(chosen) > 1 else 'it'} out")
+        target = vmajor.DEFAULT_MIN_PSNR_DB if min_psnr is None else min_psnr
+        overrides.update(policy="budget", error=vmajor.error_for(target))
+    settings = vmajor.Settings.load(getattr(runtime_config, "cocodiff_v_major_config", None), **overrides)
+    return dataclasses.replace(settings, min_psnr_db=target) if mode == "auto" else settings
 
 
 def patch_args(args_module: types.ModuleType) -> None:

@@ -81,11 +81,13 @@ def test_modes_cover_algorithms():
     assert ALGORITHMS[:2] == ("flat", "flat-p2p")  # stock, then the fair flat: the simplest first
 
 
+@pytest.mark.distributed
 def test_autotune_cases(report):
     # Agreement across ranks, caching, logging once, bias by one slow rank, overrides, JSON.
     assert "CASE autotune ok" in report, report
 
 
+@pytest.mark.distributed
 def test_exported_decisions(report):
     line = next(line for line in report.splitlines() if line.startswith("DECISIONS "))
     data = json.loads(line.removeprefix("DECISIONS "))
@@ -96,6 +98,7 @@ def test_exported_decisions(report):
         assert d["flat_s"] > 0 and d["hierarchical_s"] > 0 and d["flat_p2p_s"] > 0
 
 
+@pytest.mark.distributed
 def test_bench_a2a_cli():
     argv = ["-m", "cocodiff_xfuser.tools.bench.a2a", "--topology", "2x2", "--sizes-mib", "0.25,1", "--reps", "3", "--dtype", "fp32", "--json"]
     out = torchrun(4, argv, env=ENV, timeout=180).stdout

@@ -14,6 +14,8 @@ import pytest
 from cocodiff_xfuser.comm.transport import DEVICE_SEMANTICS_ENV
 from cocodiff_xfuser.tools.launcher import TorchrunError, torchrun
 
+pytestmark = pytest.mark.distributed
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "collectives_worker.py"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

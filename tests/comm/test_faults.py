@@ -72,6 +72,7 @@ def _check_one_line_per_rank(job: subprocess.Popen, ended: float, text: str) -> 
     assert lines and all(f"timeout {TIMEOUT_S} s" in line and "exchange '" in line for line in lines), text[-3000:]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
 def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
     log = tmp_path / "job.log"
@@ -88,6 +89,7 @@ def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
     assert not left, f"rank 2 ({victim}) outlived the job"
 
 
+@pytest.mark.fabric
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
 def test_a_failed_rank_ends_an_emulated_multi_node_job(tmp_path, fault):
     """The same on the emulated 2 nodes x 2 cluster (network namespaces, rail fabric): the job ends,

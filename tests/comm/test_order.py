@@ -17,6 +17,8 @@ from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run
 
+pytestmark = pytest.mark.distributed
+
 MODELS = sorted(tiny_models.SPECS)
 
 
@@ -27,7 +29,8 @@ MODES = {"audit": {AUDIT_ENV: "1"}, "device-semantics": {DEVICE_SEMANTICS_ENV: "
 def audited(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("order")
     flags = ("--cocodiff_a2a", "hierarchical", "--cocodiff_v_major", "on", "--cocodiff_v_major_warmup_steps", "0")
-    run = Run(model=MODELS[0], ulysses_degree=4, topology="2x2", v_first=True, extra=flags)
+    # 4 steps: V-Major's budget policy measures at step 1 and runs sparse from step 2 on.
+    run = Run(model=MODELS[0], ulysses_degree=4, topology="2x2", v_first=True, steps=4, extra=flags)
     argv = run.argv(("cocodiff",), out)
     argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in MODELS)
     launcher.torchrun(run.world_size, argv, env=MODES[request.param], timeout=900)

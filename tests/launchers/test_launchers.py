@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+# The scripts run under bash (dry runs), the emulated cluster under torchrun.
+pytestmark = pytest.mark.distributed
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = ROOT / "cocodiff_xfuser" / "launchers"
 SCRIPTS = ("aurora.pbs", "slurm.sbatch", "torchrun-multinode.sh")
@@ -320,6 +323,7 @@ def test_torchrun_bad_settings(env, why):
 
 
 # =============================================================================== emulated cluster
+@pytest.mark.fabric
 @pytest.mark.timeout(300)
 def test_torchrun_multinode_on_the_emulated_cluster(tmp_path):
     """One torchrun per emulated node, each in the network namespace of its node's first rank.

@@ -137,6 +137,7 @@ def reports() -> dict[str, str]:
     return out
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("case", CASES)
 def test_v_first_is_bitwise_equal_to_stock(reports, layout, case):
@@ -146,6 +147,7 @@ def test_v_first_is_bitwise_equal_to_stock(reports, layout, case):
 # ------------------------------------------------------------------ SD3 whole-text joint path
 
 
+@pytest.mark.distributed
 def test_sd3_whole_text_joint_attention_is_bitwise_equal():
     """Ulysses 2 x ring 3: 32 text tokens do not split over 6 ranks, so every rank keeps the
     text and attends it with the ``"rear"`` joint strategy (across the ring steps)."""

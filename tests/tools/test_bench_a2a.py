@@ -47,6 +47,7 @@ def _need_fabric():
         pytest.skip(f"emulated fabric unavailable: {reason}")
 
 
+@pytest.mark.fabric
 def test_smoke_rail_2x2(tmp_path, capsys):
     _need_fabric()
     args = argparse.Namespace(
@@ -97,6 +98,7 @@ def test_smoke_rail_2x2(tmp_path, capsys):
     assert padded["padded_heads"] == padded["heads"] + 1 and padded["time_vs_same_bytes_unpadded"] > 0
 
 
+@pytest.mark.fabric
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["rail", "shared-uplink", "aurora-like"])
 def test_documented_benchmark_runs_on_every_preset(preset, tmp_path, capsys):
@@ -117,6 +119,7 @@ def test_documented_benchmark_runs_on_every_preset(preset, tmp_path, capsys):
             assert ("host_floor_s" in r) == (preset == "rail")
 
 
+@pytest.mark.distributed
 def test_a_second_benchmark_stops_at_once(tmp_path):
     """Two benchmarks at once would share the cores and the links: the second one is refused."""
     import subprocess

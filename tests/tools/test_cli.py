@@ -18,6 +18,7 @@ def _cocodiff(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.distributed
 def test_verify_json_reports_bitwise_equality():
     result = _cocodiff("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "2x2", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -29,6 +30,7 @@ def test_verify_json_reports_bitwise_equality():
     assert report["reference"] == "stock-ulysses" and report["topology"] == "2x2"
 
 
+@pytest.mark.distributed
 def test_verify_reports_what_ran_with_v_first():
     result = _cocodiff("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "2x2", "--v-first",
                        "--json", "--cocodiff-a2a", "hierarchical")
@@ -41,6 +43,7 @@ def test_verify_reports_what_ran_with_v_first():
     assert ours["v_first_calls"] == 4 * 4 * 4  # ranks x attention modules x steps
 
 
+@pytest.mark.distributed
 def test_demo_shows_every_digit_bitwise_equal(tmp_path):
     result = _cocodiff("demo", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -69,6 +72,7 @@ def test_bad_input_fails_before_launching(run, message, monkeypatch):
         verify.verify(run)
 
 
+@pytest.mark.distributed
 def test_unknown_model_is_rejected_by_the_cli():
     with pytest.raises(SystemExit):
         cli.main(["verify", "--model", "nope", "--ulysses-degree", "2"])
@@ -82,8 +86,17 @@ def test_unknown_model_is_rejected_by_the_cli():
         (("quality", "--ulysses-degree", "3"), "not divisible by ulysses degree 3"),
     ],
 )
+@pytest.mark.distributed
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = _cocodiff(*args, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("cocodiff"), result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command, module", [("quality", "pytorch_msssim"), ("demo", "skimage")])
+def test_a_missing_extra_is_one_line_and_exit_2(command, module, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # what an environment without the extra gives
+    assert cli.main([command]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'cocodiff-xfuser[quality]'" in lines[0] and module in lines[0], lines

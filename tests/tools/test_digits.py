@@ -1,5 +1,5 @@
-"""The trained ``cocodiff/digits-flux``: it draws the digit its prompt asks for, through plain
-diffusers and through ``xdit`` with the cocodiff backend."""
+"""The trained ``cocodiff/digits-flux`` and ``cocodiff/digits-sd3``: each draws the digit its prompt
+asks for, through plain diffusers and through ``xdit`` with the cocodiff backend."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ def classifier() -> digits.Classifier:
     return digits.Classifier()
 
 
-def test_checkpoint_is_small_and_complete():
-    files = [p for p in digits.CHECKPOINT.rglob("*") if p.is_file()]
+@pytest.mark.parametrize("model", digits.TRAINED)
+def test_checkpoint_is_small_and_complete(model):
+    checkpoint = tiny_models.SPECS[model].checkpoint
+    files = [p for p in checkpoint.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) <= 20 * 2**20
-    log = json.loads((digits.CHECKPOINT / "train_log.json").read_text())
+    log = json.loads((checkpoint / "train_log.json").read_text())
     assert log["final_classifier_agreement"] >= 0.9 and log["minutes"] <= 30, log
 
 
@@ -43,23 +45,27 @@ def test_classifier_reads_the_real_digits(classifier):
     assert classifier.held_out_accuracy >= 0.97
 
 
-def test_generated_images_show_the_prompted_digit(classifier):
-    """A few dozen one-process samples (plain diffusers, the shipped checkpoint) are labelled as
-    their prompt's digit by a classifier fitted on the real digits."""
+@pytest.mark.parametrize("model", digits.TRAINED)
+def test_generated_images_show_the_prompted_digit(classifier, model):
+    """A few dozen one-process samples (plain diffusers, the shipped checkpoint; digits-sd3 with its
+    classifier-free guidance) are labelled as their prompt's digit by a classifier fitted on the
+    real digits."""
     cases = [(d, seed) for d in range(10) for seed in (100, 101, 102)]
-    images = np.concatenate([tiny_models.reference_images(digits.NAME, f"digit {d}", seed) for d, seed in cases])
+    images = np.concatenate([tiny_models.reference_images(model, f"digit {d}", seed) for d, seed in cases])
     assert images.shape == (30, digits.SIZE, digits.SIZE, 3)
     agreement = float((classifier.predict(images) == np.array([d for d, _ in cases])).mean())
     assert agreement >= 0.9, agreement
 
 
-def test_xdit_with_cocodiff_draws_the_digit(tmp_path, classifier):
-    """The issue's command, with the trained size and step count as defaults."""
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", digits.TRAINED)
+def test_xdit_with_cocodiff_draws_the_digit(tmp_path, classifier, model):
+    """The issue's command, with the trained size, step count (and guidance) as defaults."""
     from PIL import Image
 
     xdit = os.path.join(os.path.dirname(sys.executable), "xdit")
     result = subprocess.run(
-        [xdit, "--model", "cocodiff/digits-flux", "--ulysses_degree", "2", "--sp-backend", "cocodiff",
+        [xdit, "--model", f"cocodiff/{model}", "--ulysses_degree", "2", "--sp-backend", "cocodiff",
          "--prompt", "digit 3"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -143,6 +143,7 @@ def _our_namespaces(prefix: str):
     return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
+@pytest.mark.fabric
 @pytest.mark.parametrize("preset,nodes,local", [("shared-uplink", 2, 2), ("rail", 2, 2), ("aurora-like", 2, 4)])
 def test_built_routes_and_shaping_match_description(preset, nodes, local):
     _need_fabric()
@@ -167,6 +168,7 @@ def test_built_routes_and_shaping_match_description(preset, nodes, local):
     assert _our_namespaces(f.prefix) == []
 
 
+@pytest.mark.fabric
 def test_launcher_exit_codes_timeout_and_env():
     _need_fabric()
     f = _fabric("rail", 2, 2, fabric_id=f"u{os.getpid() % 100000}")
@@ -185,6 +187,7 @@ def test_launcher_exit_codes_timeout_and_env():
     assert _our_namespaces(f.prefix) == []
 
 
+@pytest.mark.fabric
 def test_down_cleans_a_crashed_run():
     _need_fabric()
     import signal
@@ -210,6 +213,7 @@ def test_down_cleans_a_crashed_run():
         assert not Path(f"/proc/{pid}").exists() or "sleep" not in Path(f"/proc/{pid}/cmdline").read_text()
 
 
+@pytest.mark.fabric
 def test_smoke_gloo_all_to_all_through_run():
     """2x2 rail fabric brought up by ``run`` itself; gloo all_to_all_single + two-phase; teardown."""
     _need_fabric()

@@ -43,6 +43,15 @@ def test_grid_has_a_column_per_case_and_three_rows(tmp_path):
     assert (grid[64:128] == 128).all() and (grid[128:] == 255).all()  # candidate; 10x |diff| clipped
 
 
+def test_sweep_points_are_backend_names():
+    # Every point is a backend of one generate job, whose --backends is a comma-separated list.
+    names = [name for sweep in quality.SWEEPS.values() for name in sweep]
+    assert names and not any("," in name for name in names)
+    fp8, exact = quality._variant({"compress": "fp8"}), quality._variant({"policy": "budget", "error": 0.05})
+    assert fp8[0]["cocodiff_compress"] == "fp8" and "cocodiff_v_major" not in fp8[0]
+    assert exact[0]["cocodiff_v_major_residual_dtype"] == "none" and "--cocodiff-v-major-error=0.05" in exact[1]
+
+
 def _quality_json(tmp_path, prompts: str, *flags: str) -> dict:
     """``cocodiff quality --json`` on digits-flux, one seed per prompt, as a user runs it."""
     cocodiff = os.path.join(os.path.dirname(sys.executable), "cocodiff")
@@ -55,6 +64,7 @@ def _quality_json(tmp_path, prompts: str, *flags: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.distributed
 def test_lossless_configuration_reports_identical_images(tmp_path):
     """The CLI on the trained model, TAPA forced through a passed-on xdit flag: identical images,
     nothing saved on the slow link, and proof that the forced exchange ran."""
@@ -70,6 +80,7 @@ def test_lossless_configuration_reports_identical_images(tmp_path):
     assert (tmp_path / "quality.png").stat().st_size > 0
 
 
+@pytest.mark.distributed
 def test_v_major_default_meets_its_quality_and_bytes_target(tmp_path):
     """``--v-major on`` at the shipped defaults on the trained model: within 35 dB of stock Ulysses,
     at least 40% of the slow-link bytes saved, and the sparse exchanges really ran."""

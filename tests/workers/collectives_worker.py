@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from datetime import timedelta
@@ -538,18 +539,26 @@ def case_agreement() -> None:
     check(any_rank(RANK == odd, None, torch.device("cpu")) and not any_rank(False, None, torch.device("cpu")), "any_rank")
 
 
-def _sparse_expected(x: torch.Tensor, prev: torch.Tensor, sel: sparse.Selection, level: sparse.SlowLevel, group) -> torch.Tensor:
+def _every_mask(mask: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``[s]`` mask (what the test compares against; the exchange never gathers them)."""
+    out = torch.empty(dist.get_world_size(group) * mask.numel(), dtype=torch.uint8)
+    dist.all_gather_into_tensor(out, mask.to(torch.uint8), group=group)
+    return out.view(-1, mask.numel()).bool()
+
+
+def _sparse_expected(x: torch.Tensor, prev: torch.Tensor, masks: torch.Tensor, level: sparse.SlowLevel, group) -> torch.Tensor:
     """What the sparse exchange must give: the exact result, except rows from other nodes that
     their sender left out, which keep the previous result."""
     w = x.shape[0]
     full = flat_all_to_all(x.flatten(), group).view(x.shape)
-    keep = torch.stack([~sel.masks[j] if not level.fast(j) else torch.zeros_like(sel.masks[j]) for j in range(w)])
+    keep = torch.stack([~masks[j] if not level.fast(j) else torch.zeros_like(masks[j]) for j in range(w)])
     return torch.where(keep[:, None, :, None], prev, full)
 
 
 def case_sparse() -> None:
-    """V-Major's sparse exchange: one- and two-phase, uneven masks (empty and full included), several
-    in flight, bitwise the exact exchange where every row is active; same launches on every rank."""
+    """V-Major's sparse exchange: one- and two-phase, uneven counts (empty and full included, agreed)
+    and fixed counts (rows in any order), several in flight, bitwise the exact exchange where every
+    row is active; same launches on every rank."""
     layouts = {4: ["2x2", "4x1"], 8: ["2x4", "4x2", "2x2x2"]}[WORLD]
     groups = [list(range(WORLD))]
     for spec in layouts:
@@ -557,41 +566,54 @@ def case_sparse() -> None:
         level = sparse.build_slow_levels(topo, groups)[tuple(range(WORLD))]
         check(level.exists and level.regular, f"{spec}: the world spans nodes evenly")
         group = dist.group.WORLD
-        for seed, (p, s, d) in enumerate([(3, 16, 4), (1, 9, 2), (2, 40, 8)]):
-            x = torch.randn(WORLD, p, s, d, generator=torch.Generator().manual_seed(seed * 100 + RANK))
-            prev = torch.randn(WORLD, p, s, d, generator=torch.Generator().manual_seed(seed * 100 + 50 + RANK))
+        # (1, 7, 3) in bf16: relayed pieces start off the alignment of their indices and rows.
+        for seed, (p, s, d, dtype) in enumerate([(3, 16, 4, torch.float32), (1, 9, 2, torch.float32),
+                                                 (2, 40, 8, torch.float32), (1, 7, 3, torch.bfloat16)]):
+            x = torch.randn(WORLD, p, s, d, generator=torch.Generator().manual_seed(seed * 100 + RANK)).to(dtype)
+            prev = torch.randn(WORLD, p, s, d, generator=torch.Generator().manual_seed(seed * 100 + 50 + RANK)).to(dtype)
             # Rank 0 sends nothing over slow links, rank 1 everything, the others a random share.
             mask = torch.rand(s, generator=torch.Generator().manual_seed(seed * 7 + RANK)) < 0.4
             mask = torch.zeros(s, dtype=torch.bool) if RANK == 0 else torch.ones(s, dtype=torch.bool) if RANK == 1 else mask
-            sel = sparse.agree_selection(mask, group)
-            check(same_bits(sel.masks[RANK], mask), f"{spec}: the agreed mask of this rank is its own")
-            want = _sparse_expected(x, prev, sel, level, group)
+            sel = sparse.agree_counts(mask.nonzero().flatten(), group)
+            masks = _every_mask(mask, group)
+            check(list(sel.counts) == masks.sum(1).tolist(), f"{spec}: the agreed counts")
+            want = _sparse_expected(x, prev, masks, level, group)
             rows = x.index_select(2, sel.active)
             for two_phase in (False, True):
                 into = prev.clone()
                 got = sparse.SparseHandle(x, rows, sel, level, group, two_phase, into).wait()
                 check(got is into and same_bits(got, want), f"{spec} {p, s, d} two_phase={two_phase}: wrong rows")
-            # Two in flight (V, then Q/K with the same masks), V's slow phase launched by advance,
-            # some ranks late.
+            # Fixed counts (what top-k, schedule and budget send): no agreement, rows in any order.
+            k = (s + 2) // 3
+            active = torch.randperm(s, generator=torch.Generator().manual_seed(seed * 11 + RANK))[:k]
+            fixed = sparse.Selection.fixed(active, WORLD)
+            picked = torch.zeros(s, dtype=torch.bool)
+            picked[active] = True
+            want_fixed = _sparse_expected(x, prev, _every_mask(picked, group), level, group)
+            for two_phase in (False, True):
+                got = sparse.SparseHandle(x, x.index_select(2, active), fixed, level, group, two_phase, prev.clone()).wait()
+                check(same_bits(got, want_fixed), f"{spec} {p, s, d} fixed count, two_phase={two_phase}: wrong rows")
+            # Two in flight (V, then Q/K with the same selection), V's slow phase launched by
+            # advance, some ranks late.
             into_v, into_qk = prev.clone(), prev.clone()
             hv = sparse.SparseHandle(x, rows, sel, level, group, True, into_v)
             hqk = sparse.SparseHandle(x * 2, rows * 2, sel, level, group, True, into_qk)
             if RANK % 2:
                 time.sleep(0.05)
             hv.advance()
-            check(same_bits(hqk.wait(), _sparse_expected(x * 2, prev, sel, level, group)), f"{spec}: second in flight")
+            check(same_bits(hqk.wait(), _sparse_expected(x * 2, prev, masks, level, group)), f"{spec}: second in flight")
             check(same_bits(hv.wait(), want), f"{spec}: first in flight, waited last")
             # Everything active: the exact exchange, bitwise.
-            every = sparse.agree_selection(torch.ones(s, dtype=torch.bool), group)
+            every = sparse.Selection.fixed(torch.arange(s), WORLD)
             check(same_bits(sparse.SparseHandle(x, x, every, level, group, True, prev.clone()).wait(),
                             flat_all_to_all(x.flatten(), group).view(x.shape)), f"{spec}: all active != exact")
         slow, exact = sparse.sent_bytes(x, rows, level)
         remote = sum(not level.fast(j) for j in range(WORLD))
-        k = int(sel.masks[RANK].sum())
-        check(exact == remote * s * p * d * 4 and slow == remote * (k * p * d * 4 + -(-s // 8)), f"{spec}: sent bytes")
+        k = int(mask.sum())
+        size = x.element_size()
+        check(exact == remote * s * p * d * size and slow == remote * k * (p * d * size + 4), f"{spec}: sent bytes")
     flat = sparse.build_slow_levels(Topology.parse(f"1x{WORLD}"), groups)[tuple(range(WORLD))]
     check(not flat.exists, "one node: no slow level")
-    check(same_bits(sparse.unpack_mask(sparse.pack_mask(mask), s), mask), "bitmap round trip")
 
 
 def case_v_major_layer() -> None:
@@ -603,12 +625,15 @@ def case_v_major_layer() -> None:
     level = sparse.build_slow_levels(Topology.parse(f"2x{WORLD // 2}"), [list(range(WORLD))])[tuple(range(WORLD))]
     group = dist.group.WORLD
     shape = (WORLD, 1, 2, 2, 24, 8)  # [W, n, b, h/W, s, d]
-    cases = (("v", "threshold", False, "none"), ("qkv", "top-k", True, "none"), ("v", "threshold", True, "bfloat16"))
+    planes = shape[1] * shape[2] * shape[3]
+    cases = (("v", "threshold", False, "none"), ("qkv", "top-k", True, "none"), ("v", "threshold", True, "bfloat16"),
+             ("qkv", "budget", True, "bfloat16"))
     for scope, policy, two_phase, residual in cases:
-        settings = vmajor.Settings.load(policy=policy, threshold=0.1, fraction=0.25, warmup_steps=1, scope=scope,
+        settings = vmajor.Settings.load(policy=policy, threshold=0.1, fraction=0.25, error=0.2, warmup_steps=1, scope=scope,
                                         residual_dtype=residual)
         clock = vmajor.Clock()
         layer = vmajor.Layer(clock, settings)
+        budget_counts: list[int] = []
         gen = torch.Generator().manual_seed(RANK)
         v = torch.randn(shape, generator=gen)
         for call in range(2):
@@ -619,21 +644,33 @@ def case_v_major_layer() -> None:
                 step = layer.begin(v)
                 cache = step.caches
                 exact = flat_all_to_all(v.flatten(), group).view(shape)
-                if step.mask is None:
-                    check(t < max(settings.warmup_steps, 1), f"a full exchange at step {t}: only the first and warm-up steps")
+                if step.active is None:
+                    # budget: exact until the first step's measurement is agreed, at the next tick.
+                    last_full = max(settings.warmup_steps, 1) + (policy == "budget")
+                    check(t < last_full, f"a full exchange at step {t}: only the first and warm-up steps")
                     step.rows("v", v)
                     check(same_bits(cache.reference["v"], v), "a full exchange sends V itself")
                     cache.received["v"] = exact
                     continue
                 check(t >= settings.warmup_steps, "no sparse exchange in warm-up")
+                if policy == "budget":
+                    check(_agreed(clock.shares) and step.active.numel() == math.ceil(clock.shares[0] * shape[4]),
+                          f"budget: the agreed share of the tokens {clock.shares}")
+                    budget_counts.append(step.active.numel())
                 if policy == "top-k":
-                    check(int(step.mask.sum()) == 6, "top-k sends its fraction of the tokens")
-                step.selection = sel = sparse.agree_selection(step.mask, group)
+                    check(step.fixed and step.active.numel() == 6, "top-k sends its fraction of the tokens")
+                if step.fixed:
+                    sel = sparse.Selection.fixed(step.active, WORLD)
+                else:
+                    sel = sparse.agree_counts(step.active, group)
+                step.selection = sel
+                sent = torch.zeros(shape[4], dtype=torch.bool)
+                sent[step.active] = True
                 rows, is_residual = step.rows("v", v)
                 check(is_residual == (residual != "none") and rows.dtype == (v.dtype if residual == "none" else torch.bfloat16),
                       "rows travel as the residual dtype says")
                 into = cache.received["v"].view(WORLD, -1, shape[4], shape[5])
-                got = sparse.SparseHandle(v.view(WORLD, -1, shape[4], shape[5]), rows.view(WORLD, -1, rows.shape[4], shape[5]),
+                got = sparse.SparseHandle(v.view(WORLD, -1, shape[4], shape[5]), rows.view(WORLD, planes, rows.shape[4], shape[5]),
                                           sel, level, group, two_phase, into, is_residual).wait()
                 from_refs = flat_all_to_all(cache.reference["v"].flatten(), group).view(shape)
                 fast = torch.tensor([level.fast(j) for j in range(WORLD)])[:, None, None, None, None, None]
@@ -642,10 +679,12 @@ def case_v_major_layer() -> None:
                 change = torch.linalg.vector_norm(v - ref, dim=(0, 1, 3, 5)) / torch.linalg.vector_norm(ref, dim=(0, 1, 3, 5))
                 # The bound holds for what was left out; residuals leave their rounding error behind.
                 if policy == "threshold":
-                    check(bool((change[:, ~step.mask] <= 0.1).all()), f"step {t}: a cached token drifted past the threshold")
+                    check(bool((change[:, ~sent] <= 0.1).all()), f"step {t}: a cached token drifted past the threshold")
                 sent_error = 0.0 if residual == "none" else 0.01
-                check(bool((change[:, step.mask] <= sent_error).all()), "active tokens are sent (up to the residual's rounding)")
+                check(bool((change[:, sent] <= sent_error).all()), "active tokens are sent (up to the residual's rounding)")
             check(step.covers("qk", v) == (scope == "qkv"), "scope decides whether Q/K follow V")
+        if policy == "budget":
+            check(any(0 < k < shape[4] for k in budget_counts), f"budget: some tokens sent, some cached: {budget_counts}")
     tiny = vmajor.Settings.load(budget_mib=0.001)
     over = vmajor.Layer(vmajor.Clock(), tiny)
     over.clock.tick(1.0)
@@ -666,7 +705,7 @@ def _every_exchange(spec: str) -> list[torch.Tensor]:
     level = sparse.build_slow_levels(topo, [list(range(WORLD))])[tuple(range(WORLD))]
     v = torch.randn(WORLD, 2, 12, 4, generator=torch.Generator().manual_seed(RANK))
     mask = torch.arange(12) % (RANK + 2) == 0 if RANK else torch.zeros(12, dtype=torch.bool)
-    sel = sparse.agree_selection(mask, dist.group.WORLD)
+    sel = sparse.agree_counts(mask.nonzero().flatten(), dist.group.WORLD)
     rows = v.index_select(2, sel.active)
     for two_phase in (False, True):
         out.append(sparse.SparseHandle(v, rows, sel, level, dist.group.WORLD, two_phase, torch.zeros_like(v)).wait())
@@ -774,12 +813,19 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     try:
+        # Every case reports on its own: a failed check is printed and the ranks agree on it, then
+        # the next case runs (an exception that leaves ranks in different collectives ends the job).
         for name in args.cases.split(","):
             t0 = time.perf_counter()
             fn = CASES[name]
-            fn(args.tmpdir) if name == "autotune" else fn()
-            dist.barrier()
-            if RANK == 0:
+            failed = torch.zeros(1, dtype=torch.int32)
+            try:
+                fn(args.tmpdir) if name == "autotune" else fn()
+            except AssertionError as e:
+                print(f"CASE {name} FAILED {e}", flush=True)
+                failed.fill_(1)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if RANK == 0 and not failed.item():
                 print(f"CASE {name} ok {time.perf_counter() - t0:.2f}s", flush=True)
     finally:
         dist.destroy_process_group()

@@ -106,12 +106,14 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.distributed
 def test_pth_installs_the_finder_and_the_switch_disables_it():
     code = "import sys, cocodiff_xfuser._finder as f; print(any(isinstance(x, f.XfuserFinder) for x in sys.meta_path))"
     assert _python(code).stdout.strip() == "True"
     assert _python(code, **{_finder.DISABLE_ENV: "1"}).stdout.strip() == "False"
 
 
+@pytest.mark.distributed
 def test_environment_variable_selects_the_default_backend():
     code = (
         "from xfuser import xFuserArgs; from xfuser.config import FlexibleArgumentParser;"
@@ -121,6 +123,7 @@ def test_environment_variable_selects_the_default_backend():
     assert result.stdout.strip().splitlines()[-1] == "cocodiff", result.stderr[-2000:]
 
 
+@pytest.mark.distributed
 def test_sd3_image_only_attention_matches_diffusers(monkeypatch):
     """The SD3.5 attn2 workaround computes what diffusers computes; USP (xfuser's) is plain SDPA here."""
     import torch
@@ -145,6 +148,7 @@ def _generate_u2(tmp_path, model: str, size: int):
     return launcher.torchrun(2, run.argv(("ulysses", "cocodiff"), tmp_path), timeout=600)
 
 
+@pytest.mark.distributed
 def test_flux_odd_token_count_is_refused_by_stock_and_padded_by_cocodiff(tmp_path):
     """36x36 gives 81 image tokens. xfuser 0.7.0 crashed on a misspelled method; calling the real one
     attends to zero padding (5.6e-4 off one process here), so stock gets a clear error, while
@@ -161,6 +165,7 @@ def test_flux_odd_token_count_is_refused_by_stock_and_padded_by_cocodiff(tmp_pat
     assert ran["padded_bytes"] > 0 and ran["v_first_calls"] > 0 and ran["fallbacks"] == {}, ran
 
 
+@pytest.mark.distributed
 def test_qwen_padding_that_would_change_the_image_is_refused(tmp_path):
     from cocodiff_xfuser.tools.launcher import TorchrunError
 
@@ -214,6 +219,7 @@ def test_backend_options_reject_unknown_algorithms():
         backend.Options(a2a="ring")
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(__import__("shutil").which("mpiexec") is None, reason="mpiexec not installed (apt-get install mpich)")
 def test_mpiexec_launch_matches_stock(tmp_path):
     """No torchrun: ranks come from the MPI launcher's environment."""
@@ -231,6 +237,7 @@ def test_mpiexec_launch_matches_stock(tmp_path):
     assert stock.tobytes() == ours.tobytes()
 
 
+@pytest.mark.distributed
 def test_autotune_decisions_are_exported_and_reloaded(tmp_path):
     """COCODIFF_A2A_DECISIONS: written at exit by one job, loaded by the next (same decisions)."""
     import json
@@ -248,6 +255,7 @@ def test_autotune_decisions_are_exported_and_reloaded(tmp_path):
     assert json.loads(decisions.read_text())["decisions"] == first["decisions"]
 
 
+@pytest.mark.distributed
 def test_user_jobs_load_no_tooling():
     """Importing xfuser's runner with the plugin active loads the plugin, not the tooling (nor
     matplotlib); the tiny models are registered from the entry point on first lookup only."""
@@ -264,6 +272,7 @@ def test_user_jobs_load_no_tooling():
     assert model == "TinyFlux"
 
 
+@pytest.mark.distributed
 def test_decisions_measured_elsewhere_are_refused_once(tmp_path):
     """A decisions file from another topology is refused: one line, from rank 0 only, exit 2."""
     import json
@@ -281,6 +290,7 @@ def test_decisions_measured_elsewhere_are_refused_once(tmp_path):
     assert "]: Traceback" not in output, output[-3000:]  # no rank printed one (torchrun's own report aside)
 
 
+@pytest.mark.distributed
 def test_xdit_user_error_is_printed_once(tmp_path):
     xdit = os.path.join(os.path.dirname(sys.executable), "xdit")
     result = subprocess.run(
@@ -291,3 +301,16 @@ def test_xdit_user_error_is_printed_once(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("cocodiff: topology 3x3") == 1, output[-3000:]
+
+
+def test_v_major_auto_takes_its_budget_from_the_calibration():
+    config = types.SimpleNamespace(cocodiff_v_major="auto", cocodiff_v_major_min_psnr=40.0)
+    settings = flags.v_major_settings(config)
+    assert settings.policy == "budget" and settings.min_psnr_db == 40.0
+    assert settings.error == pytest.approx(flags.vmajor.error_for(40.0))
+    on = flags.v_major_settings(types.SimpleNamespace(cocodiff_v_major="on"))
+    assert on.min_psnr_db is None  # only auto checks its speed against the exact exchange
+    with pytest.raises(ValueError, match="sets --cocodiff-v-major-policy itself"):
+        flags.v_major_settings(types.SimpleNamespace(cocodiff_v_major="auto", cocodiff_v_major_policy="top-k"))
+    with pytest.raises(ValueError, match="needs --cocodiff-v-major auto"):
+        flags.v_major_settings(types.SimpleNamespace(cocodiff_v_major="on", cocodiff_v_major_min_psnr=38.0))

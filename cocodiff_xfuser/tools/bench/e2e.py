@@ -42,8 +42,8 @@ REGIME_PARAMS = {
 DEFAULT_STEPS = 4
 DEFAULT_REPEAT = 3  # timed pipeline calls per configuration
 TIMEOUT_S = 1800.0
-# name in the report -> generate's backend variant (V-Major at its defaults, lossy: its quality is
-# reported beside its speed). The two baselines come first: xfuser's stock exchange as it runs,
+# name in the report -> generate's backend variant (V-Major at its defaults, and in its auto mode at
+# its default PSNR target, lossy: their quality is reported beside their speed). The two baselines come first: xfuser's stock exchange as it runs,
 # and stock's algorithm on the fair flat exchange (what NCCL's all-to-all does; on gloo, stock's
 # all_to_all_single pays a posting-order artefact, see cocodiff_xfuser.comm.transport).
 CONFIGS = {
@@ -52,7 +52,10 @@ CONFIGS = {
     "tapa": "cocodiff",
     "tapa+vfirst": "cocodiff+vfirst",
     "tapa+vfirst+vmajor": "cocodiff+vfirst+vmajor",
+    "tapa+vfirst+vmajor-auto": "cocodiff+vfirst+vmajor-auto",
 }
+#: The lossy configurations (V-Major): their PSNR and SSIM are reported beside their speed.
+LOSSY = ("tapa+vfirst+vmajor", "tapa+vfirst+vmajor-auto")
 # The slowest shaped link of every preset is the one named "uplink" in the emulation: the node
 # uplink (shared-uplink, aurora-like) or the leaf-to-spine uplink carrying cross-rail traffic (rail).
 SLOW_DEVICE = "uplink"

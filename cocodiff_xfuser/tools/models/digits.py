@@ -1,4 +1,5 @@
-"""``cocodiff/digits-flux``: a small FLUX-architecture transformer trained on scikit-learn's digits.
+"""``cocodiff/digits-flux`` and ``cocodiff/digits-sd3``: small FLUX- and SD3-architecture
+transformers trained on scikit-learn's digits.
 
 A model that has learned something, so that lossy mechanisms can be judged (random weights
 understate the error of reusing a step's tensors). It is trained by ``scripts/train_tiny.py``
@@ -16,6 +17,12 @@ models (``xdit --model cocodiff/digits-flux --prompt "digit 7"``).
   images are exactly what the transformer generated.
 - **Transformer**: ``FluxTransformer2DModel``, 2 double and 4 single blocks, 8 heads of 16,
   no guidance embedding (FLUX-schnell style), trained with rectified flow as FLUX uses it.
+
+``digits-sd3`` is the other family on the same data, conditioning and autoencoder: an
+``SD3Transformer2DModel`` (MMDiT: joint attention of text and image in every block, SD3.5's
+image-only second attention in the first, RMS QK-norm), 2x2 patches over the 32x32 latents (256
+image tokens), trained with the prompt dropped one time in ten so that it samples with true
+classifier-free guidance (``SD3_GUIDANCE``; the pipeline batches the two branches).
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ POOLED_DIM = 32
 SHIFT = 3.0  # FlowMatchEulerDiscreteScheduler(shift=...); training samples noise levels alike
 CLASSES = tuple(f"digit {d}" for d in range(10))
 
+SD3_NAME = "digits-sd3"
+SD3_CHECKPOINT = Path(__file__).parent / "fixtures" / SD3_NAME
+SD3_GUIDANCE = 3.0  # classifier-free guidance scale the model was validated at
+UNCONDITIONAL = ""  # the prompt of the dropped condition (the pipelines' default negative prompt)
+TRAINED = (NAME, SD3_NAME)  # the models the classifier can judge
+
 
 def transformer_config() -> dict:
     return {
@@ -50,6 +63,24 @@ def transformer_config() -> dict:
         "pooled_projection_dim": POOLED_DIM,
         "guidance_embeds": False,
         "axes_dims_rope": (4, 6, 6),
+    }
+
+
+def sd3_transformer_config() -> dict:
+    return {
+        "sample_size": SIZE // 2,  # 32x32 latents
+        "patch_size": 2,
+        "in_channels": 4,
+        "out_channels": 4,
+        "num_layers": 4,
+        "attention_head_dim": 16,
+        "num_attention_heads": HEADS,
+        "joint_attention_dim": TEXT_DIM,
+        "caption_projection_dim": 128,
+        "pooled_projection_dim": POOLED_DIM,
+        "pos_embed_max_size": SIZE // 4,
+        "dual_attention_layers": (0,),
+        "qk_norm": "rms_norm",
     }
 
 

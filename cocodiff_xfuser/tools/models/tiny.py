@@ -2,8 +2,8 @@
 
 The ``tiny-*`` models have seeded random weights: each is built from a small diffusers config
 (no hub access) and written with ``save_pretrained`` to a local fixture directory.
-``digits-flux`` is trained (:mod:`cocodiff_xfuser.tools.models.digits`) and shipped as a
-checkpoint. All are loaded through xfuser's own runner loading code, so
+``digits-flux`` and ``digits-sd3`` are trained (:mod:`cocodiff_xfuser.tools.models.digits`) and
+shipped as checkpoints. All are loaded through xfuser's own runner loading code, so
 ``xdit --model cocodiff/tiny-flux ...`` exercises the real path. There are no text encoders:
 the prompt embeddings are a seeded function of the prompt (:func:`prompt_embeddings`).
 """
@@ -350,6 +350,22 @@ SPECS: dict[str, TinySpec] = {
             guidance_scale=1.0,  # no guidance embedding, no CFG
             runner_sets_input=True,
             checkpoint=digits.CHECKPOINT,
+        ),
+        TinySpec(
+            name=digits.SD3_NAME,
+            pipeline="StableDiffusion3Pipeline",
+            wrapper=f"{_XFUSER}.pipelines.pipeline_stable_diffusion_3:xFuserStableDiffusion3Pipeline",
+            heads=digits.HEADS,
+            text_len=digits.TEXT_LEN,
+            text_dim=digits.TEXT_DIM,
+            pooled_dim=digits.POOLED_DIM,
+            build=None,
+            call_kwargs=_embeds,  # true CFG against the unconditional prompt, batched by the pipeline
+            height=digits.SIZE,
+            width=digits.SIZE,
+            steps=digits.STEPS,
+            guidance_scale=digits.SD3_GUIDANCE,
+            checkpoint=digits.SD3_CHECKPOINT,
         ),
     )
 }

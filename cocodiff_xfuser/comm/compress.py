@@ -1,0 +1,48 @@
+"""fp8 exchanges with one scale per row: the compression xDiT and cache-dit apply to Ulysses traffic.
+
+``--cocodiff-compress fp8`` sends every Ulysses exchange (Q, K, V in, attention output back) as
+float8_e4m3fn with one float32 scale per row (a token of one head: ``amax / 448`` over its
+channels, cache-dit's per-token scheme; xDiT's fp8 communication keeps one scale per layer). Lossy
+on every link, fast ones included: it is one of the points V-Major is measured against
+(``cocodiff quality --sweep frontier``), offered because a user may prefer it where it wins.
+
+Each destination's chunk is packed as its fp8 values followed by its scales, so the packed
+buffer is again W equal chunks in the same memory order: any all-to-all algorithm, TAPA's phases
+included, moves it unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Values of ``--cocodiff-compress``.
+SETTINGS = ("none", "fp8")
+FP8 = torch.float8_e4m3fn
+#: The dtypes packed (narrower data, xfuser's own fp8 communication, travels as it is).
+WIDE = (torch.float32, torch.bfloat16, torch.float16)
+_MAX = torch.finfo(FP8).max
+_SCALE_BYTES = 4
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """``[W, rows, d]`` (W chunks in send order) as ``[W, rows * (d + 4)]`` bytes: each chunk's
+    fp8 values, then its rows' float32 scales."""
+    w, rows, d = x.shape
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / _MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (x.float() / scale).to(FP8)
+    return torch.cat([values.view(torch.uint8).view(w, rows * d), scale.view(w, rows).view(torch.uint8)], dim=1)
+
+
+def unpack(packed: torch.Tensor, rows: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`pack` (up to fp8's rounding): ``[W, rows * (d + 4)]`` bytes to
+    ``[W, rows, d]`` in ``dtype``."""
+    w = packed.shape[0]
+    values = packed[:, : rows * d].contiguous().view(FP8).view(w, rows, d)
+    scale = packed[:, rows * d :].contiguous().view(torch.float32).view(w, rows, 1)
+    return (values.float() * scale).to(dtype)
+
+
+def packed_bytes(rows: int, d: int) -> int:
+    """Bytes of one packed chunk of ``rows`` rows of ``d`` channels."""
+    return rows * (d + _SCALE_BYTES)

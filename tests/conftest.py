@@ -1,0 +1,35 @@
+"""The test tiers, by what a test costs.
+
+* ``unit``: one process, nothing launched (``make test-fast``, under two minutes);
+* ``distributed``: starts processes on this host (torchrun jobs, the ``cocodiff``/``xdit`` commands);
+* ``fabric``: brings up an emulated cluster (root, network namespaces; skipped where unavailable);
+* ``slow``: benchmark-style checks, left out of ``make test``.
+
+A test marked neither ``distributed`` nor ``fabric`` is ``unit``, and a unit test that starts a
+process fails, so the tier cannot drift from what the test does.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+LAUNCHING = ("distributed", "fabric")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(tier) for tier in LAUNCHING):
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_launch_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} started a process: mark it distributed (or fabric)")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
