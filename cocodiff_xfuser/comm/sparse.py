@@ -126,7 +126,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-#: Indices travel as int32 ahead of the rows (4-byte aligned: rows of any dtype view in place).
+#: Each active row travels with its index, an int32 ahead of the rows.
 _INDEX_BYTES = 4
 
 
