@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -379,8 +379,8 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Rank worker entry point (torchrun / Fabric.run); rank 0 prints the report."""
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Rank worker entry point (torchrun / Fabric.run); rank 0 prints the report; the process ends here."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topology", help="NxL[xT], preset name or YAML path; default: detect")
     parser.add_argument("--sizes-mib", default=",".join(map(str, DEFAULT_SIZES_MIB)), help="comma-separated message sizes per rank, MiB")
@@ -412,7 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return 0
+    # Process groups still referenced by module caches would be destroyed in the interpreter's
+    # teardown, which under load has ended a rank with std::terminate after its report was out.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ================================================================================ driver
@@ -727,4 +731,4 @@ def _parse_shape(text: str) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
