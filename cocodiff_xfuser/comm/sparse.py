@@ -136,9 +136,9 @@ def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (data if data.storage_offset() % size == 0 else data.clone()).view(dtype)
 
 
-def _payload(rows: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """What goes over a slow link to one destination: the indices, then the rows."""
-    return torch.cat([_bytes(active.to(torch.int32)), _bytes(rows)])
+def _payload(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """What goes over a slow link to one destination: the indices (int32, as bytes), then the rows."""
+    return torch.cat([indices, _bytes(rows)])
 
 
 def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
@@ -180,8 +180,9 @@ class SparseHandle:
         self._two_phase = two_phase
         self._placed = False  # wait() places the received rows once
         device = x.device
+        indices = _bytes(selection.active.to(torch.int32))  # the same for every destination
         if not two_phase:
-            inp = [_bytes(x[j]) if level.fast(j) else _payload(rows[j], selection.active) for j in range(w)]
+            inp = [_bytes(x[j]) if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
             self._received = [torch.empty(self._size(j), dtype=torch.uint8, device=device) for j in range(w)]
             self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
@@ -192,7 +193,7 @@ class SparseHandle:
         self._others = [n for n in range(nodes) if n != me_node]
         self._mates = [level.at(me_node, l) for l in range(lanes)]
         inp = [
-            torch.cat([_bytes(x[self._mates[l]])] + [_payload(rows[level.at(n, l)], selection.active) for n in self._others])
+            torch.cat([_bytes(x[self._mates[l]])] + [_payload(rows[level.at(n, l)], indices) for n in self._others])
             for l in range(lanes)
         ]
         self._phase1_out = [
