@@ -161,13 +161,16 @@ class CocodiffBackend:
 
     def _choose(self, x: torch.Tensor) -> str:
         if self.exchange.measures(x, self.group):
-            # The autotune's timings must not share the links with exchanges still in flight
-            # (V's, under V-First): complete them first, at the same program point on every rank.
-            for pending in self._pending:
-                if not pending.done:
-                    pending.wait()
+            self._complete_pending()
         self._pending = [p for p in self._pending if not p.done]
         return self.exchange.choose(x, self.group)
+
+    def _complete_pending(self) -> None:
+        """Complete the exchanges still in flight (V's, under V-First), at the same program point on
+        every rank: a measurement's timings must not share the links with them."""
+        for pending in self._pending:
+            if not pending.done:
+                pending.wait()
 
     def _algorithm(self, x: torch.Tensor, label: str, exact_bytes: int | None = None) -> str:
         """Choose the algorithm for ``x`` and count the exchange (``exact_bytes``: what ``x`` would
@@ -290,9 +293,7 @@ class CocodiffBackend:
         """Time this sparse exchange against the exact one in pairs, like the autotune's re-check
         (collective over the group, the same decision on every rank: MAX over ranks); V-Major is
         off for the rest of the job if it is not faster by the median (logged, counted)."""
-        for pending in self._pending:  # the timings must not share the links with exchanges in flight
-            if not pending.done:
-                pending.wait()
+        self._complete_pending()
         flat = x.flatten()
 
         def exact() -> None:
