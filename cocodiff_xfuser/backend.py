@@ -262,7 +262,8 @@ class CocodiffBackend:
     ) -> _Reshaping:
         """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
         other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
-        add). Routed like the exact exchange of the same size (two phases where the autotune chose TAPA).
+        add). Routed like the exact exchange of the same size: two phases where the autotune chose TAPA,
+        the backend's all-to-all with split sizes where it chose ``flat``, else one point-to-point batch.
 
         ``of_v``: V's exchange of a layer. Under ``--cocodiff-v-major auto`` (unless ``if_slower:
         keep``) the ``RECHECK_USES``-th of these is first timed against the exact exchange
@@ -271,15 +272,16 @@ class CocodiffBackend:
         try:
             exact_algorithm = self._choose(x.flatten())
             two_phase = self.slow_level.regular and exact_algorithm == "hierarchical"
+            collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
             algorithm = f"v-major {'two-phase' if two_phase else 'one-phase'}"
             settings = self.options.v_major
             if of_v and settings.min_psnr_db is not None and settings.if_slower == "stop":
                 self._sparse_v += 1
                 if self._sparse_v == RECHECK_USES:
-                    self._check_sparse(x, rows, selection, into, residual, exact_algorithm, two_phase)
+                    self._check_sparse(x, rows, selection, into, residual, exact_algorithm, two_phase, collective)
             slow, exact = sparse.sent_bytes(x, rows, self.slow_level)
             commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
-            exchange = sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into, residual)
+            exchange = sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective)
             handle = _Reshaping(self, exchange, into.shape, label, algorithm)
         except RuntimeError as e:
             self._abort(label, algorithm, e)
@@ -288,7 +290,7 @@ class CocodiffBackend:
 
     def _check_sparse(
         self, x: torch.Tensor, rows: torch.Tensor, selection: sparse.Selection, into: torch.Tensor, residual: bool,
-        exact_algorithm: str, two_phase: bool,
+        exact_algorithm: str, two_phase: bool, collective: bool,
     ) -> None:
         """Time this sparse exchange against the exact one in pairs, like the autotune's re-check
         (collective over the group, the same decision on every rank: MAX over ranks); V-Major is
@@ -300,7 +302,7 @@ class CocodiffBackend:
             self.exchange.run(exact_algorithm, flat, self.group)
 
         def sparse_once() -> None:
-            sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into.clone(), residual).wait()
+            sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into.clone(), residual, collective).wait()
 
         pairs, burst = sampling(flat.numel() * flat.element_size(), self.exchange.reps)
         times = time_paired({"exact": exact, "sparse": sparse_once}, self.group, x.device, pairs, burst)

@@ -19,7 +19,8 @@ synchronization) and agrees the counts (one all-gather of integers).
 relative L2 error of V as the receivers hold it within ``error``: every layer measures at every
 step, on the device, how many of its tokens that took (the senders know exactly what the
 receivers hold), and the clock agrees the counts once per step (one all-reduce, MAX over the
-group) for the next step. ``auto`` maps a PSNR target to ``error`` with a calibration measured on
+group, that no rank waits for: it is read a step later, so a step sends the counts measured two
+steps before, the first sparse step those of the step before). ``auto`` maps a PSNR target to ``error`` with a calibration measured on
 the trained models (``configs/policies/v-major-calibration.yaml``), and turns V-Major off where
 its sparse exchange is not faster than the exact one (timed once, like the autotune's re-check;
 ``if_slower: keep`` keeps it on, e.g. to save the bytes of a metered link).
@@ -215,12 +216,14 @@ class Clock:
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
         self.needed: torch.Tensor | None = None
+        self._agreeing: tuple[Any, torch.Tensor] | None = None  # an all-reduce in flight, and its tensor
         self._last: float | None = None
 
     def tick(self, timestep: Any) -> None:
         t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
         if self._last is None or t > self._last:
             self.call, self.step, self.branch = self.call + 1, 0, 0
+            self._take_shares()  # the last call's: completed, then dropped
             self.shares = self.needed = None
         elif t == self._last:
             self.branch += 1
@@ -235,16 +238,32 @@ class Clock:
             self.needed = torch.zeros(self.layers, dtype=torch.float32, device=share.device)
         self.needed[layer] = torch.maximum(self.needed[layer], share)
 
+    def shares_now(self) -> list[float] | None:
+        """The agreed shares for this step; the first time there are any, waits for their agreement."""
+        if self.shares is None:
+            self._take_shares()
+        return self.shares
+
     def _agree_shares(self) -> None:
-        """The shares the layers measured during the step that ended, agreed (MAX over the group):
-        one all-reduce and one host read per step. Whether it runs depends on the steps and the
-        layers that ran, the same on every rank."""
+        """Agree the shares the layers measured during the step that ended (MAX over the group),
+        without waiting: one all-reduce per step, launched here and read at the next step's tick
+        (a step's counts come from the measurements of two steps before, the first sparse step's
+        from the step before), so no step waits for the others' measurements and, on a GPU, the
+        host reads a result its queue has long passed. Whether it runs depends on the steps and
+        the layers that ran, the same on every rank."""
+        self._take_shares()
         if self.needed is None:
             return
         group = self.group if self.group is not None else dist.group.WORLD
         order.launched(group, "all_reduce")
-        dist.all_reduce(self.needed, op=dist.ReduceOp.MAX, group=group)
-        self.shares, self.needed = self.needed.tolist(), None
+        work = dist.all_reduce(self.needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self._agreeing, self.needed = (work, self.needed), None
+
+    def _take_shares(self) -> None:
+        if self._agreeing is not None:
+            work, needed = self._agreeing
+            work.wait()
+            self.shares, self._agreeing = needed.tolist(), None
 
 
 def attach_clock(transformer: torch.nn.Module, group: Any = None) -> Clock:
@@ -318,7 +337,7 @@ class Layer:
             reference is None
             or step < settings.warmup_steps
             or (settings.refresh_every and step % settings.refresh_every == 0)
-            or (settings.policy == "budget" and clock.shares is None)  # nothing measured yet
+            or (settings.policy == "budget" and clock.shares_now() is None)  # nothing measured yet
             or (k is not None and k >= s and settings.residual is None)  # every token as values: the exact exchange is smaller
         )
         if full:
@@ -338,8 +357,9 @@ class Layer:
             ramp = max(_total_steps() - settings.warmup_steps, 1)
             cached = settings.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
             return math.ceil((1.0 - cached) * s)
-        if settings.policy == "budget" and self.clock.shares is not None:
-            return min(math.ceil(self.clock.shares[self.index] * s), s)
+        shares = self.clock.shares_now() if settings.policy == "budget" else None
+        if shares is not None:
+            return min(math.ceil(shares[self.index] * s), s)
         return None
 
     def _select(self, v: torch.Tensor, reference: torch.Tensor, k: int | None) -> torch.Tensor:

@@ -117,28 +117,29 @@ def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
         vmajor.error_for(38.0, tmp_path / "none.yaml")
 
 
-def _generate(tmp_path, name: str, cases: list, extra: tuple = ()) -> tuple[np.ndarray, dict]:
-    """digits-flux on 4 ranks (2x2) with V-Major at its defaults, one torchrun job for ``cases``."""
-    out = tmp_path / name
-    out.mkdir()
-    (out / "cases.json").write_text(json.dumps(cases))
-    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", extra=("--cocodiff_v_major", "on", *extra))
-    launcher.torchrun(4, run.argv(("cocodiff",), out) + ["--cases", str(out / "cases.json")], timeout=600)
-    where = output_dir(out, tiny_models.SPECS[digits.NAME].model_id, "cocodiff")
-    return np.load(where / "images.npy"), json.loads((where / "result.json").read_text())
-
-
 @pytest.mark.distributed
 def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
-    """An image generated after another one in the same job is bitwise the image of a fresh job
-    (the caches start over at every pipeline call); a budget no layer fits gives the exact exchange."""
+    """An image generated after others in the same job is bitwise the image of the first call (the
+    caches start over at every pipeline call); a budget no layer fits gives the exact exchange.
+    One torchrun job: every backend variant builds its own pipeline, so its first call starts fresh."""
     tiny_models.ensure_fixture(digits.NAME)
-    after, result = _generate(tmp_path, "two", [["digit 3", 0], ["digit 7", 1]])
-    fresh, _ = _generate(tmp_path, "one", [["digit 7", 1]])
-    assert np.array_equal(after[1], fresh[0])
+    cases = [["digit 7", 1], ["digit 3", 0], ["digit 7", 1]]
+    variants = {"budget": {"sp_backend": "cocodiff", "cocodiff_v_major_budget_mib": 0.01}}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "variants.json").write_text(json.dumps(variants))
+    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", extra=("--cocodiff_v_major", "on"))
+    argv = run.argv(("cocodiff", "budget"), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
+    launcher.torchrun(4, argv, timeout=600)
+
+    def generated(backend: str) -> tuple[np.ndarray, dict]:
+        where = output_dir(tmp_path, tiny_models.SPECS[digits.NAME].model_id, backend)
+        return np.load(where / "images.npy"), json.loads((where / "result.json").read_text())
+
+    images, result = generated("cocodiff")
+    assert np.array_equal(images[2], images[0])
     assert any(name.startswith("v-major") for name in result["ran"]["exchanges"]), result["ran"]
-    exact, over = _generate(tmp_path, "budget", [["digit 7", 1]], ("--cocodiff_v_major_budget_mib", "0.01"))
+    exact, over = generated("budget")
     assert over["ran"]["fallbacks"].get("v-major: cache budget", 0) > 0, over["ran"]
     assert not any(name.startswith("v-major") for name in over["ran"]["exchanges"]), over["ran"]
     assert over["ran"]["slow_link_bytes"] == over["ran"]["slow_link_bytes_exact"]
-    assert not np.array_equal(exact[0], fresh[0])  # V-Major is lossy; the budget fall-back is exact
+    assert not np.array_equal(exact[0], images[0])  # V-Major is lossy; the budget fall-back is exact

@@ -13,15 +13,18 @@ not. Either way every rank launches the same batches (the rule of :mod:`.order`)
 Two routings, like the exact exchange:
 
 * ``one-phase``: one uneven exchange over the whole group (full chunks to node-mates, active rows
-  to the other nodes), like ``flat``;
+  to the other nodes), like the flat exchanges: the backend's own all-to-all with split sizes where
+  the exact exchange of that size is ``flat``, else one batch of point-to-point operations;
 * ``two-phase``: composed with TAPA. Phase 1, inside the node: every chunk goes to the node-mate
   on the destination's rail, full for node-mates and active rows only for other nodes; phase 2,
   across nodes between ranks of one rail: each rank forwards the active rows it relays. The slow
   phase carries only active rows, and no cross-rail traffic.
 
-Both are batches of point-to-point operations (:mod:`.transport`), the same code on every backend
-(uneven sizes need no split-size collective: both sides of every message know its size). The slow
-phase is posted in ``advance`` or ``wait``, at the same program point on every rank.
+Which of these runs follows the exact exchange the autotune chose (an agreed decision), so every
+rank runs the same code on every backend. Uneven sizes need no split-size agreement: both sides
+of every message know its size. The two-phase routing's batches are point-to-point
+(:mod:`.transport`); its slow phase is posted in ``advance`` or ``wait``, at the same program point
+on every rank.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from . import order, subgroups, transport
+from . import flat, order, subgroups, transport
 from .topology import Topology
 
 @dataclass
@@ -169,6 +172,7 @@ class SparseHandle:
         two_phase: bool,
         into: torch.Tensor,
         residual: bool = False,
+        collective: bool = False,
     ) -> None:
         w, p, s, d = x.shape
         self._level, self._into = level, into
@@ -183,7 +187,13 @@ class SparseHandle:
         indices = _bytes(selection.active.to(torch.int32))  # the same for every destination
         if not two_phase:
             inp = [_bytes(x[j]) if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
-            self._received = [torch.empty(self._size(j), dtype=torch.uint8, device=device) for j in range(w)]
+            sizes = [self._size(j) for j in range(w)]
+            if collective:  # the backend's own all-to-all, with the split sizes both sides know
+                self._pending = flat.start_flat_all_to_all(torch.cat(inp), group, sizes, [t.numel() for t in inp])
+                self._received = None
+                self._sizes = sizes
+                return
+            self._received = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
             self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
@@ -245,7 +255,9 @@ class SparseHandle:
             return into
         self._placed = True
         if not self._two_phase:
-            self._pending.wait()
+            received = self._pending.wait()
+            if self._received is None:
+                self._received = received.split(self._sizes)
             for j, piece in enumerate(self._received):
                 self._place(into, j, piece)
             return into

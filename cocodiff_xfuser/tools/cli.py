@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     e2e.add_argument("--size", type=int, default=bench_e2e.DEFAULT_SIZE, help="image height and width")
     e2e.add_argument("--steps", type=int, default=bench_e2e.DEFAULT_STEPS)
     e2e.add_argument("--repeat", type=int, default=bench_e2e.DEFAULT_REPEAT, help="timed pipeline calls per configuration")
+    e2e.add_argument("--configs", default=None, help=f"comma-separated, besides the baselines; default: all of "
+                     f"{','.join(bench_e2e.CONFIGS)}")
     return parser
 
 

@@ -16,13 +16,17 @@ pytestmark = [pytest.mark.fabric, pytest.mark.skipif(not ok, reason=f"emulated f
 CONFIG_KEYS = ("name", "step_s", "comm_s", "slow_link_bytes", "max_abs_diff", "psnr_db", "ssim", "speedup_vs_stock", "speedup_vs_fair")
 
 
-def test_e2e_smoke_is_lossless_and_complete():
+#: The normal tier's smoke: the baselines, the lossless stack and V-Major's auto mode (every
+#: mechanism; the full list runs in the slow tier and in the published benchmark).
+SMOKE = ("tapa+vfirst", "tapa+vfirst+vmajor-auto")
+
+
+def _smoke(configs: tuple[str, ...] | None) -> dict:
     # Three steps: V-Major's two warm-up steps, then one sparse step.
-    report = bench_e2e.bench_e2e("rail", "tiny-flux", size=64, steps=3, repeat=1, timeout=600)
+    report = bench_e2e.bench_e2e("rail", "tiny-flux", size=64, steps=3, repeat=1, timeout=600, configs=configs)
     json.dumps(report)  # serializable
     for key in ("model", "fabric", "configs", "regime"):
         assert key in report
-    assert [c["name"] for c in report["configs"]] == list(bench_e2e.CONFIGS)
     for config in report["configs"]:
         assert all(key in config for key in CONFIG_KEYS), config
         assert config["step_s"] > 0 and config["comm_s"] > 0 and config["slow_link_bytes"] > 0
@@ -34,12 +38,29 @@ def test_e2e_smoke_is_lossless_and_complete():
     assert set(configs["fair-flat"]["exchanges_by_algorithm"]) == {"flat-p2p"}, configs["fair-flat"]
     assert configs["fair-flat"]["speedup_vs_fair"] == 1.0
     assert {o["label"] for o in configs["tapa+vfirst"]["v_overlap"]} == {"flux.double.v", "flux.single.v"}
-    # V-Major ran, left tokens out, and the fabric's counters saw fewer bytes on the slow links.
-    vmajor = configs["tapa+vfirst+vmajor"]
-    assert 0 < vmajor["v_major_active_fraction"] < 1 and vmajor["psnr_db"] > 20
-    assert vmajor["slow_link_bytes"] < configs["tapa+vfirst"]["slow_link_bytes"]
     # Auto: the budget policy from its PSNR target ran sparse exchanges; its speed check (at the
     # fourth sparse V exchange) kept V-Major on or turned it off, counted either way.
     auto = configs["tapa+vfirst+vmajor-auto"]
     assert any(name.startswith("v-major") for name in auto["exchanges_by_algorithm"]), auto
     assert auto["psnr_db"] > 20
+    return configs
+
+
+def test_e2e_smoke_runs_the_baselines_and_every_mechanism():
+    configs = _smoke(SMOKE)
+    assert list(configs) == [*bench_e2e.BASELINES, *SMOKE]
+
+
+@pytest.mark.slow
+def test_e2e_smoke_is_lossless_and_complete():
+    configs = _smoke(None)
+    assert list(configs) == list(bench_e2e.CONFIGS)
+    # V-Major ran, left tokens out, and the fabric's counters saw fewer bytes on the slow links.
+    vmajor = configs["tapa+vfirst+vmajor"]
+    assert 0 < vmajor["v_major_active_fraction"] < 1 and vmajor["psnr_db"] > 20
+    assert vmajor["slow_link_bytes"] < configs["tapa+vfirst"]["slow_link_bytes"]
+
+
+def test_unknown_configuration_is_refused():
+    with pytest.raises(ValueError, match="unknown configuration"):
+        bench_e2e.bench_e2e("rail", configs=("tapa+nothing",))

@@ -556,6 +556,11 @@ def _sparse_expected(x: torch.Tensor, prev: torch.Tensor, masks: torch.Tensor, l
     return torch.where(keep[:, None, :, None], prev, full)
 
 
+#: The sparse exchange's routings: one phase as a point-to-point batch or as the backend's
+#: all-to-all with split sizes, and two phases composed with TAPA.
+ROUTINGS = ((False, False), (False, True), (True, False))
+
+
 def case_sparse() -> None:
     """V-Major's sparse exchange: one- and two-phase, uneven counts (empty and full included, agreed)
     and fixed counts (rows in any order), several in flight, bitwise the exact exchange where every
@@ -580,10 +585,10 @@ def case_sparse() -> None:
             check(list(sel.counts) == masks.sum(1).tolist(), f"{spec}: the agreed counts")
             want = _sparse_expected(x, prev, masks, level, group)
             rows = x.index_select(2, sel.active)
-            for two_phase in (False, True):
+            for two_phase, collective in ROUTINGS:
                 into = prev.clone()
-                got = sparse.SparseHandle(x, rows, sel, level, group, two_phase, into).wait()
-                check(got is into and same_bits(got, want), f"{spec} {p, s, d} two_phase={two_phase}: wrong rows")
+                got = sparse.SparseHandle(x, rows, sel, level, group, two_phase, into, collective=collective).wait()
+                check(got is into and same_bits(got, want), f"{spec} {p, s, d} two_phase={two_phase} collective={collective}: wrong rows")
             # Fixed counts (what top-k, schedule and budget send): no agreement, rows in any order.
             k = (s + 2) // 3
             active = torch.randperm(s, generator=torch.Generator().manual_seed(seed * 11 + RANK))[:k]
@@ -591,9 +596,9 @@ def case_sparse() -> None:
             picked = torch.zeros(s, dtype=torch.bool)
             picked[active] = True
             want_fixed = _sparse_expected(x, prev, _every_mask(picked, group), level, group)
-            for two_phase in (False, True):
-                got = sparse.SparseHandle(x, x.index_select(2, active), fixed, level, group, two_phase, prev.clone()).wait()
-                check(same_bits(got, want_fixed), f"{spec} {p, s, d} fixed count, two_phase={two_phase}: wrong rows")
+            for two_phase, collective in ROUTINGS:
+                got = sparse.SparseHandle(x, x.index_select(2, active), fixed, level, group, two_phase, prev.clone(), collective=collective).wait()
+                check(same_bits(got, want_fixed), f"{spec} {p, s, d} fixed count, two_phase={two_phase} collective={collective}: wrong rows")
             # Two in flight (V, then Q/K with the same selection), V's slow phase launched by
             # advance, some ranks late.
             into_v, into_qk = prev.clone(), prev.clone()

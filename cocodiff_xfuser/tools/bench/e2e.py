@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -54,6 +55,8 @@ CONFIGS = {
     "tapa+vfirst+vmajor": "cocodiff+vfirst+vmajor",
     "tapa+vfirst+vmajor-auto": "cocodiff+vfirst+vmajor-auto",
 }
+#: What every run measures, the speed-ups' denominators.
+BASELINES = ("stock", "fair-flat")
 #: The lossy configurations (V-Major): their PSNR and SSIM are reported beside their speed.
 LOSSY = ("tapa+vfirst+vmajor", "tapa+vfirst+vmajor-auto")
 # The slowest shaped link of every preset is the one named "uplink" in the emulation: the node
@@ -118,7 +121,14 @@ def bench_e2e(
     repeat: int = DEFAULT_REPEAT,
     params: dict | None = None,
     timeout: float = TIMEOUT_S,
+    configs: Sequence[str] | None = None,
 ) -> dict:
+    """Every configuration of ``CONFIGS`` (or the baselines and ``configs``) on the fabric, side by side."""
+    chosen = dict(CONFIGS) if configs is None else {
+        name: variant for name, variant in CONFIGS.items() if name in (*BASELINES, *configs)}
+    unknown = sorted(set(configs or ()) - set(CONFIGS))
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
     params = {**REGIME_PARAMS[fabric_name], **(params or {})}
     fabric = Fabric(fabric_name, nodes, local, params=params, fabric_id=f"e{os.getpid() % 100000}")
     topology = topology_for(fabric_name, nodes, local)
@@ -127,7 +137,7 @@ def bench_e2e(
     tiny_models.ensure_fixture(model)
     reports = {}
     with one_at_a_time(), fabric, tempfile.TemporaryDirectory() as tmp:
-        for name, variant in CONFIGS.items():
+        for name, variant in chosen.items():
             print(f"  {name} ...", file=sys.stderr, flush=True)
             reports[name] = _run_config(fabric, run, variant, repeat, Path(tmp) / name, timeout)
     stock, fair = reports["stock"], reports["fair-flat"]
@@ -220,7 +230,7 @@ def run_cli(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     params = {key: float(value) for key, value in (kv.split("=", 1) for kv in args.param)}
     report = bench_e2e(args.fabric, args.model, args.nodes, args.local, args.size, args.steps, args.repeat,
-                       params or None, args.timeout)
+                       params or None, args.timeout, args.configs.split(",") if args.configs else None)
     stem = f"e2e-{args.model}-{args.fabric}"
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     if plots.available():
