@@ -259,6 +259,12 @@ class Clock:
         work = dist.all_reduce(self.needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
         self._agreeing, self.needed = (work, self.needed), None
 
+    def settle(self) -> None:
+        """Complete the agreement in flight (after a transformer call: it has had the whole call to
+        finish, and nothing is left in flight when the job ends)."""
+        if self._agreeing is not None:
+            self._agreeing[0].wait()
+
     def _take_shares(self) -> None:
         if self._agreeing is not None:
             work, needed = self._agreeing
@@ -267,8 +273,8 @@ class Clock:
 
 
 def attach_clock(transformer: torch.nn.Module, group: Any = None) -> Clock:
-    """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument);
-    ``group``: the Ulysses group of its V-Major layers."""
+    """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument) and
+    settled after it; ``group``: the Ulysses group of its V-Major layers."""
 
     def before(module, args, kwargs) -> None:
         timestep = kwargs.get("timestep")
@@ -278,6 +284,7 @@ def attach_clock(transformer: torch.nn.Module, group: Any = None) -> Clock:
 
     clock = Clock(group)
     transformer.register_forward_pre_hook(before, with_kwargs=True)
+    transformer.register_forward_hook(lambda module, args, output: clock.settle())
     return clock
 
 
