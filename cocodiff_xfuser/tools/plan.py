@@ -50,9 +50,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from cocodiff_xfuser.shipped import RESULTS
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS, Fabric
 
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "docs" / "results"
+RESULTS_DIR = RESULTS  # installed with the package (cocodiff_xfuser/shipped.py)
 TARGET_MEDIAN = 0.15
 #: Achieved dense bf16 TFLOP/s per rank assumed for the compute estimate (V-First's window, the
 #: step time): ASSUMPTIONS, about 40% of the datasheet peak (H100/H200 SXM 989, PVC tile ~420).
@@ -63,6 +64,14 @@ DEFAULT_TFLOPS = 200.0
 #: warm-up steps; fp8 residuals: 1 byte per element.
 V_MAJOR_ACTIVE = 0.653
 V_MAJOR_WARMUP = 2
+#: What real collectives achieved on a preset's hardware, where a source measured it: the
+#: uncalibrated plan says it beside its line-rate prices.
+MEASURED = {
+    "aurora": "the CoCoDiff paper measured a 48 MB all-to-all on one Aurora node at 25.5 ms with oneCCL "
+              "and 6.0 ms with TAPA, far below these line rates",
+}
+CALIBRATE_HOW = ("calibrate in one step: run `cocodiff check` through your launcher on the cluster and pass "
+                 "the JSON it writes with --calibrate FILE")
 
 
 # ---------------------------------------------------------------------------------- models
@@ -572,6 +581,13 @@ def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int
         c, fitted = calibrate_file(Path(calibrate))
         if fitted is not None:
             full = fitted
+    calibrated = calibrate is not None or cluster in FABRICS
+    if calibrated:
+        calibration = f"calibrated: {c.source}"
+    else:
+        measured = MEASURED.get(cluster, "no measurement of real collectives on this hardware is shipped")
+        calibration = (f"UNCALIBRATED: links priced at the {cluster} preset's line rates; real collectives run below "
+                       f"them, and how far decides whether TAPA helps ({measured}); {CALIBRATE_HOW}")
     W = full.world
     tf = tflops or TFLOPS.get(cluster, DEFAULT_TFLOPS)
     img, txt = spec.tokens(size, frames)
@@ -632,7 +648,8 @@ def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int
                     "note": "lossy: 42.5 dB PSNR vs stock on digits-flux at the defaults; judge on your model"}
     return {"model": spec.name, "model_source": spec.source, "size": size, "frames": frames, "batch": batch,
             "steps": steps, "cluster": cluster, "nodes": nodes, "world": W, "levels": full.describe(),
-            "tokens": {"image": img, "text": txt}, "coefficients": c.source,
+            "tokens": {"image": img, "text": txt}, "calibrated": calibrated, "calibration": calibration,
+            "coefficients": c.source,
             "compute_estimate": f"FLOPs at {tf:g} TFLOP/s per rank (assumed)", "ranked": rows,
             "recommended": {"flags": " ".join(flags), **{k: best[k] for k in ("ulysses", "ring", "cfg")}},
             "v_major": vmaj}
@@ -652,7 +669,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", type=Path, default=None, help="a `cocodiff bench a2a` JSON to fit the model on")
     p.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s per rank for the compute estimate")
     p.add_argument("--no-pad-heads", action="store_true", help="only Ulysses degrees that divide the heads")
-    p.add_argument("--validate", action="store_true", help="compare predictions with docs/results")
+    p.add_argument("--validate", action="store_true", help="compare predictions with the shipped measurements (--results: a checkout's docs/results adds the e2e runs)")
     p.add_argument("--results", type=Path, default=RESULTS_DIR)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -680,6 +697,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rep, indent=1))
         return 0
+    print(rep["calibration"])
     print(f"{rep['model']} {rep['size']}px x{rep['frames']} batch {rep['batch']}: {rep['tokens']['image']} image + "
           f"{rep['tokens']['text']} text tokens; {rep['cluster']} x{rep['nodes']} = {rep['world']} ranks ({rep['levels']})")
     print(f"links: {rep['coefficients']}; compute: {rep['compute_estimate']}")

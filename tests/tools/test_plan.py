@@ -181,3 +181,51 @@ def test_calibrate_a_real_cluster_json_fits_the_node_level(tmp_path):
     node = cl.levels[0]
     assert node.name == "node" and 0.75 * 125e6 < node.Bps <= 1.0 * 125e6  # 1 Gbit/s rails
     assert c.flat_factor > 2  # stock flat crosses the oversubscribed spine
+
+
+@pytest.mark.parametrize("cluster, first", [
+    (["--cluster", "rail"], "calibrated: fitted on the shipped a2a results"),
+    (["--cluster", "dgx-h100", "--nodes", "2"], "UNCALIBRATED: links priced at the dgx-h100 preset's line rates"),
+    (["--cluster", "aurora", "--nodes", "1"], "UNCALIBRATED: links priced at the aurora preset's line rates"),
+])
+def test_the_first_line_says_whether_the_plan_is_calibrated(cluster, first, capsys):
+    assert cli.main(["plan", "--model", "flux-dev", "--size", "1024", *cluster]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(first), line
+    if line.startswith("UNCALIBRATED"):
+        assert "--calibrate" in line and "cocodiff check" in line
+    if "aurora" in cluster:  # what real collectives achieved there, as its source measured it
+        assert "25.5 ms with oneCCL" in line
+
+
+def test_the_planner_reads_the_shipped_measurements():
+    from cocodiff_xfuser import shipped
+
+    assert plan.RESULTS_DIR == shipped.RESULTS
+    assert len(list(shipped.RESULTS.glob("a2a-*-*x*.json"))) == 9
+
+
+@pytest.mark.distributed
+def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
+    """Built and unpacked away from the checkout, the wheel plans on its own files."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    root = Path(plan.__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(root)], check=True,
+                   capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "cocodiff_xfuser/configs/dgx-h100.yaml" in names and "cocodiff_xfuser/configs/policies/v-major.yaml" in names
+    assert sum(n.startswith("cocodiff_xfuser/results/a2a-") for n in names) == 9
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    code = ("import sys, cocodiff_xfuser; assert cocodiff_xfuser.__file__.startswith(sys.argv[1]); "
+            "from cocodiff_xfuser.tools.cli import main; sys.exit(main(sys.argv[2:]))")
+    for cluster in (["--cluster", "rail"], ["--cluster", "dgx-h100", "--nodes", "2"]):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site"), "plan", "--model", "flux-dev", "--size",
+                              "1024", *cluster], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[0].startswith(("calibrated:", "UNCALIBRATED:")), out.stdout
