@@ -1,4 +1,4 @@
-"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo``, ``topology`` and ``bench {a2a,e2e}``."""
+"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo``, ``topology``, ``plan``, ``check`` and ``bench {a2a,e2e}``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 from cocodiff_xfuser import vmajor
 from cocodiff_xfuser.tools import demo, quality, verify
+from cocodiff_xfuser.tools import check as check_tool
 from cocodiff_xfuser.tools import topology_cli
 from cocodiff_xfuser.tools.launcher import TorchrunError
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan_cmd = sub.add_parser("plan", help="cost model: predicted communication per step, recommended degrees and flags; --validate")
     plan_tool.add_arguments(plan_cmd)
+    check_tool.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run (emulated cluster: run as root)")
     kinds = bench.add_subparsers(dest="kind", required=True)
@@ -96,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
 #: Optional modules, by top-level name, and the extra that installs each.
 EXTRAS = {"sklearn": "quality", "skimage": "quality", "pytorch_msssim": "quality", "tqdm": "quality", "matplotlib": "bench"}
 #: What a command needs before it launches anything (``bench`` draws its figures only if it can).
-NEEDS = {"quality": ("sklearn", "skimage", "pytorch_msssim", "tqdm"), "demo": ("sklearn", "skimage", "pytorch_msssim", "tqdm")}
+NEEDS = {"quality": ("sklearn", "skimage", "pytorch_msssim", "tqdm"), "demo": ("sklearn", "skimage", "pytorch_msssim", "tqdm"),
+         "check": ("skimage", "tqdm")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             return topology_cli.run_cli(args)
         if args.command == "plan":
             return plan_tool.run_cli(args)
+        if args.command == "check":
+            return check_tool.run_cli(args)
         if args.command == "bench" and args.kind == "e2e":
             return bench_e2e.run_cli(args)
     except ValueError as e:

@@ -70,8 +70,9 @@ MEASURED = {
     "aurora": "the CoCoDiff paper measured a 48 MB all-to-all on one Aurora node at 25.5 ms with oneCCL "
               "and 6.0 ms with TAPA, far below these line rates",
 }
-CALIBRATE_HOW = ("calibrate in one step: run `cocodiff check` through your launcher on the cluster and pass "
-                 "the JSON it writes with --calibrate FILE")
+CALIBRATE_HOW = ("calibrate in one step: time the exchanges where the job runs, with your launcher "
+                 "(torchrun ... -m cocodiff_xfuser.tools.bench.a2a --topology NxL --json > a2a.json), and pass "
+                 "that JSON with --calibrate a2a.json")
 
 
 # ---------------------------------------------------------------------------------- models
@@ -563,7 +564,9 @@ def _divisors(n: int) -> List[int]:
 
 def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int] = None, frames: int = 1,
          batch: int = 1, steps: int = 50, calibrate: Optional[Path] = None, tflops: Optional[float] = None,
-         pad_heads: bool = True) -> dict:
+         pad_heads: bool = True, fabric_params: Optional[dict] = None) -> dict:
+    """The ranked configurations and the recommendation (``fabric_params``: an emulated fabric's
+    link overrides, as its run used them)."""
     spec = MODELS.get(model)
     if spec is None:
         raise ValueError(f"unknown model {model!r}; known: {', '.join(sorted(MODELS))}")
@@ -571,7 +574,7 @@ def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int
         raise ValueError(f"--size must be a positive multiple of {spec.pixels_per_token}; --batch, --frames, "
                          "--nodes, --steps positive")
     if cluster in FABRICS:
-        full = Cluster.from_fabric(Fabric(cluster, nodes, local or 2))
+        full = Cluster.from_fabric(Fabric(cluster, nodes, local or 2, params=fabric_params))
         c = fit([s for r in _a2a_reports(sorted(RESULTS_DIR.glob("a2a-*-*x*.json"))) for s in a2a_samples(r)])
         c.source = "fitted on the shipped a2a results (emulated fabric, 2-core host)"
     else:
