@@ -68,13 +68,14 @@ def setup(ulysses: int, ring: int) -> None:
 
 
 def use_backend(v_first: bool) -> None:
-    """Stock Ulysses (xfuser's own exchanges), or the cocodiff backend with V-First."""
+    """Stock Ulysses (xfuser's own exchanges), or the cocodiff backend with V-First (on the fair flat
+    exchange: what is compared is the processors, and every exchange is exact)."""
     from xfuser.core.distributed import get_sp_group
 
     from cocodiff_xfuser import backend
 
     if v_first:
-        backend.activate(get_sp_group().ulysses_group, backend.Options(v_first=True))
+        backend.activate(get_sp_group().ulysses_group, backend.Options(v_first=True, a2a="flat-p2p"))
     else:
         backend.deactivate()
 
