@@ -183,6 +183,12 @@ def enabled() -> bool:
     return _enabled
 
 
+def enable() -> None:
+    """Turn the timings on in this process, as ``COCODIFF_COMM_STATS=1`` does at start-up."""
+    global _enabled
+    _enabled = True
+
+
 def timed_exchange(exchange: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``exchange(x)``, blocking; with statistics on, its bytes and the time it blocked are recorded."""
     if not _enabled:

@@ -100,9 +100,9 @@ def _xpu_backend() -> str:
     )
 
 
-# torch.distributed's env:// names, and where MPI launchers (Open MPI, MPICH/PMI, PALS on Aurora)
-# put the same facts.
-_MPI_ENV = {
+#: torch.distributed's env:// names, and where MPI launchers (Open MPI, MPICH/PMI, PALS on Aurora)
+#: put the same facts.
+MPI_ENV = {
     "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID"),
     "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
     "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID"),
@@ -117,7 +117,7 @@ def adopt_mpi_environment(env: dict | None = None) -> bool:
     env = os.environ if env is None else env
     if "RANK" in env:
         return False
-    found = {name: next((env[k] for k in keys if k in env), None) for name, keys in _MPI_ENV.items()}
+    found = {name: next((env[k] for k in keys if k in env), None) for name, keys in MPI_ENV.items()}
     if found["RANK"] is None or found["WORLD_SIZE"] is None:
         return False
     for name, value in found.items():

@@ -1,54 +1,70 @@
-"""``cocodiff check``: will cocodiff help on this cluster? One command on the emulated one (as root).
+"""``cocodiff check``: does cocodiff give stock's images here, and how much faster is it? One command.
 
-On the model (or a tiny stand-in) at a small size and few steps, in four stages:
+Started through the job's launcher (torchrun, the shipped Slurm/PBS launchers, mpiexec), it runs
+in process on every rank of the job; with ``--fabric`` (as root) it brings an emulated cluster up
+and runs the same job on it. On a model (a tiny stand-in) at a small size and few steps, in four
+stages:
 
-1. **equivalence**: stock Ulysses, the fair flat exchange, TAPA and TAPA + V-First (bitwise equal
-   to stock) and V-Major (PSNR against stock), each timed (``cocodiff bench e2e``'s runs);
-2. **exchanges**: stock, the fair flat exchange, TAPA and the autotune's choice timed on the job's
-   Ulysses group at the message sizes of the model's exchanges (``cocodiff bench a2a``'s worker),
-   written as the calibration JSON (``cocodiff plan --calibrate`` reads it);
-3. **prediction**: ``cocodiff plan`` fitted on that JSON, with the compute of a step taken from stage
-   1 (stock's step minus its exposed communication, as an effective FLOP rate), ranks every
-   ulysses x ring factorization and recommends degrees and flags, with their predicted step time;
-4. **measurement**: the recommended configuration, run after the prediction, timed the same way.
+1. **equivalence**: stock Ulysses, then the fair flat exchange, TAPA and TAPA + V-First (bitwise
+   equal to stock on every rank, or a failure) and V-Major (PSNR against stock), each timed;
+2. **exchanges**: stock's, the fair flat, TAPA and the autotune's choice timed on the job's
+   Ulysses group at the per-rank sizes of the model's exchanges (``cocodiff bench a2a``'s worker),
+   written as the calibration: a ``cocodiff bench a2a`` JSON, which ``cocodiff plan --calibrate`` reads;
+3. **prediction**: the planner fitted on that calibration, with a step's compute measured in
+   stage 1, ranks every ulysses x ring factorization and recommends degrees and flags, with the
+   predicted step and gain;
+4. **measurement**: the recommended configuration, run after the prediction.
 
-A failed stage is one line naming it (and the rank, where a rank failed); the others still run
-where they can.
+Rank 0 reports: a progress bar on stderr, the sections on stdout and, with ``--json``, the report
+as the last line. A failure is one line naming the rank and the reason.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
+import statistics
 import sys
-import tempfile
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from cocodiff_xfuser.platform import MPI_ENV, adopt_mpi_environment
 from cocodiff_xfuser.tools import plan as plan_tool
-from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
-from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS, Fabric
+from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
 from cocodiff_xfuser.tools.models import tiny as tiny_models
-from cocodiff_xfuser.tools.verify import Run
 
 DEFAULT_STEPS = 4
-DEFAULT_REPEAT = 2
-A2A_REPS = 5
-#: Stage 1's configurations besides the baselines: the lossless ones must be bitwise stock.
-EQUIVALENCE = ("tapa", "tapa+vfirst", "tapa+vfirst+vmajor")
+DEFAULT_REPEAT = 2  # timed pipeline calls per configuration, after one that warms up and autotunes
+A2A_REPS = 3
+#: Stage 1, by ``cocodiff bench e2e``'s names: the two baselines, then cocodiff's mechanisms.
+CONFIGS = ("stock", "fair-flat", "tapa", "tapa+vfirst", "tapa+vfirst+vmajor")
 #: The V-Major image must stay this close to stock's (dB) for the check to pass.
 MIN_PSNR_DB = 30.0
-#: The recommendation's flags -> generate's backend variant.
-VARIANT = {False: "cocodiff", True: "cocodiff+vfirst"}
 
 
-def message_sizes_mib(model: str, size: int, ulysses: int) -> list[float]:
-    """The distinct per-rank message sizes (MiB) of the model's Ulysses exchanges at ``size``."""
+def models() -> list[str]:
+    """What the check runs: the stand-ins the planner has a spec of."""
+    return sorted(set(plan_tool.MODELS) & set(tiny_models.SPECS))
+
+
+def message_sizes(model: str, size: int, ulysses: int) -> list[int]:
+    """The distinct per-rank sizes (bytes) of the model's Ulysses exchanges at ``size``, stock's and V-First's."""
     spec = plan_tool.MODELS[model]
-    sizes = {x for _, x, _ in plan_tool.step_messages(spec, size, ulysses=ulysses)}
-    sizes |= {x for _, x, _ in plan_tool.step_messages(spec, size, ulysses=ulysses, v_first=True)}
-    return sorted(x / 2**20 for x in sizes)
+    return sorted({round(x) for v_first in (False, True)
+                   for _, x, _ in plan_tool.step_messages(spec, size, ulysses=ulysses, v_first=v_first)})
+
+
+def burst(model: str, size: int, ulysses: int, nbytes: int) -> int:
+    """Exchanges of ``nbytes`` per timed sample: as many as move a step's bytes, back to back as a
+    denoising step issues them. Fewer would time what an idle link does (an emulated link's token
+    bucket, a switch's buffers), not what it sustains inside a step."""
+    spec = plan_tool.MODELS[model]
+    step_bytes = sum(x * n for _, x, n in plan_tool.step_messages(spec, size, ulysses=ulysses, v_first=True))
+    return max(1, math.ceil(step_bytes / nbytes))
 
 
 def effective_tflops(model: str, size: int, ulysses: int, compute_s: float) -> float:
@@ -62,142 +78,321 @@ def effective_tflops(model: str, size: int, ulysses: int, compute_s: float) -> f
     return flops / compute_s / 1e12
 
 
-def _equivalence(report: dict) -> list[dict]:
-    rows = []
-    for c in report["configs"]:
-        if c["name"] in bench_e2e.BASELINES and c["name"] != "fair-flat":
+def launched(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a launcher (torchrun's or an MPI launcher's variables) started this process as one rank of a job."""
+    return any(name in env for name in ("RANK", *MPI_ENV["RANK"]))
+
+
+def join_job(env: dict = os.environ) -> None:
+    """torch's rank variables, from an MPI launcher's where it set no ``RANK``; a line for what is missing."""
+    adopt_mpi_environment(env)
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if missing:
+        raise ValueError(f"the launcher set no {', '.join(missing)}: export them (MASTER_ADDR: the first node's "
+                         "address), or start the check with torchrun or a shipped launcher")
+
+
+def emulated(env: Mapping[str, str] = os.environ) -> dict | None:
+    """The emulated fabric this rank runs on, from the variables the emulator gives every rank
+    (None elsewhere): the fields that make an a2a report priceable at the fabric's line rates."""
+    if "CCD_FABRIC_PRESET" not in env:
+        return None
+    params = (kv.split("=", 1) for kv in env.get("CCD_FABRIC_PARAMS", "").split(",") if kv)
+    return {"fabric": env["CCD_FABRIC_PRESET"], "nodes": int(env["CCD_NODES"]), "local": int(env["CCD_LOCAL"]),
+            "fabric_params": {k: float(v) for k, v in params}}
+
+
+def equivalence(name: str, verdicts: list[dict | None], ran: dict) -> tuple[dict, list[str]]:
+    """One configuration's row from every rank's comparison with stock (None: that rank got no
+    images) and what ran (summed over the ranks: exchanges per algorithm, fall-backs), and a line
+    per rank that failed."""
+    lossy = name in bench_e2e.LOSSY
+    failures = []
+    for rank, v in enumerate(verdicts):
+        if v is None:
             continue
-        lossy = c["name"] in bench_e2e.LOSSY
-        ok = c["psnr_db"] >= MIN_PSNR_DB if lossy else c["bitwise_equal"]
-        rows.append({"name": c["name"], "ok": bool(ok), "bitwise_equal": c["bitwise_equal"], "psnr_db": c["psnr_db"],
-                     "max_abs_diff": c["max_abs_diff"], "step_s": c["step_s"], "speedup_vs_stock": c["speedup_vs_stock"],
-                     "speedup_vs_fair": c["speedup_vs_fair"]})
-    return rows
+        if lossy and v["psnr_db"] < MIN_PSNR_DB:
+            failures.append(f"rank {rank}: {name} is {v['psnr_db']:.1f} dB PSNR from stock, below {MIN_PSNR_DB:g}")
+        elif not lossy and not v["bitwise_equal"]:
+            failures.append(f"rank {rank}: {name} differs from stock (max |diff| {v['max_abs_diff']:.3g})")
+    seen = [v for v in verdicts if v is not None]
+    row = {"name": name, "ok": not failures, "lossy": lossy, "ranks_compared": len(seen),
+           "bitwise_equal": all(v["bitwise_equal"] for v in seen),
+           "max_abs_diff": max(v["max_abs_diff"] for v in seen), "psnr_db": min(v["psnr_db"] for v in seen), "ran": ran}
+    return row, failures
 
 
-def check(fabric: str, model: str, nodes: int = 2, local: int = 2, size: int | None = None, steps: int = DEFAULT_STEPS,
-          repeat: int = DEFAULT_REPEAT, out: Path = Path("check-output"), timeout: float = bench_e2e.TIMEOUT_S,
-          progress: Any = None) -> dict:
-    """Run the four stages on an emulated ``fabric`` (module docstring); the report as a dict."""
-    if model not in plan_tool.MODELS or model not in tiny_models.SPECS:
-        known = sorted(set(plan_tool.MODELS) & set(tiny_models.SPECS))
-        raise ValueError(f"--model {model!r}: the check runs {', '.join(known)}")
-    if fabric not in FABRICS:
-        raise ValueError(f"--fabric {fabric!r}: expected one of {', '.join(FABRICS)}")
-    size = size or tiny_models.SPECS[model].height or bench_e2e.DEFAULT_SIZE
-    world = nodes * local
-    params = bench_e2e.REGIME_PARAMS[fabric]
-    out.mkdir(parents=True, exist_ok=True)
-    tick = progress or (lambda stage: None)
+class Progress:
+    """Rank 0's progress bar (stderr) over the pipeline calls and exchange sizes; the stage under way."""
 
-    tick("equivalence")
-    e2e = bench_e2e.bench_e2e(fabric, model, nodes, local, size, steps, repeat, timeout=timeout, configs=EQUIVALENCE)
-    equivalence = _equivalence(e2e)
-    stock = next(c for c in e2e["configs"] if c["name"] == "stock")
-    compute_s = stock["step_s"] - stock["comm_exposed_s"]
+    def __init__(self, total: int, draw: bool) -> None:
+        self.stage = "start-up"
+        self.bar = None
+        if draw:
+            from tqdm import tqdm
 
-    tick("exchanges")
-    sizes = message_sizes_mib(model, size, world)
-    a2a = bench_a2a.bench_a2a(fabric, nodes, local, sizes, A2A_REPS, out, dtype="fp32", plot=False, echo=False,
-                              stem="check-calibration", params=params, timeout=timeout)
-    calibration = out / "check-calibration.json"
+            self.bar = tqdm(total=total, desc="cocodiff check", unit="part", file=sys.stderr)
 
-    tick("prediction")
-    tflops = effective_tflops(model, size, world, compute_s)
-    planned = plan_tool.plan(model, size, cluster=fabric, nodes=nodes, local=local, steps=steps, calibrate=calibration,
-                             tflops=tflops, fabric_params=params)
-    best = planned["ranked"][0]
-    # Gains against stock as the job ran it in stage 1: all ranks in one Ulysses group.
-    stock_row = next(r for r in planned["ranked"] if (r["ulysses"], r["ring"], r["cfg"]) == (world, 1, 1))
+    def begin(self, stage: str) -> None:
+        self.stage = stage
+        if self.bar is not None:
+            self.bar.set_postfix_str(stage)
 
-    tick("measurement")
-    run = Run(model=model, ulysses_degree=best["ulysses"], ring_degree=best["ring"],
-              topology=bench_a2a.topology_for(fabric, nodes, local), steps=steps, height=size, width=size)
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def job(model: str, size: int, steps: int, repeat: int, topology: str | None, out: Path, progress: Progress) -> dict | None:
+    """The four stages on every rank of the job (collective); rank 0 returns the report."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from xfuser.core.distributed.parallel_state import destroy_model_parallel
+
+    from cocodiff_xfuser import platform
+    from cocodiff_xfuser.comm.topology import resolve
+    from cocodiff_xfuser.tools import generate, quality
+    from cocodiff_xfuser.tools.bench import a2a as bench_a2a
+    from cocodiff_xfuser.tools.verify import Run, compare
+
+    world = int(os.environ["WORLD_SIZE"])
+    run = Run(model=model, ulysses_degree=world, topology=topology, steps=steps, height=size, width=size)
     run.check()
-    variant = VARIANT[bool(best["v_first"])]
-    fab = Fabric(fabric, nodes, local, params=params, fabric_id=f"c{os.getpid() % 100000}")
-    with bench_e2e.one_at_a_time(), fab, tempfile.TemporaryDirectory() as tmp:
-        measured = bench_e2e._run_config(fab, run, variant, repeat, Path(tmp) / "recommended", timeout)
-    measured_step_s = measured["seconds"] / steps
+    spec = plan_tool.MODELS[model]
+    sizes = message_sizes(model, size, world)
+    cases = [[quality.default_prompts(model)[0], run.seed]]
+    base = generate.runner_args(run.runner_argv())
 
-    exchanges = [{k: r.get(k) for k in ("size_bytes", "flat_s", "flat_p2p_s", "hierarchical_s", "chosen", "chosen_s")}
-                 for r in a2a["results"]]
-    report = {
-        "model": model, "fabric": fabric, "nodes": nodes, "local": local, "size": size, "steps": steps,
-        "fabric_params": params,
-        "equivalence": equivalence, "equivalent": all(row["ok"] for row in equivalence),
-        "exchanges": exchanges, "calibration": str(calibration),
-        "compute_s": compute_s, "effective_tflops": tflops,
-        "recommended": {**planned["recommended"], "v_first": best["v_first"]},
-        "predicted_step_s": best["step_s"], "predicted_stock_step_s": stock_row["stock_step_s"],
-        "predicted_gain": stock_row["stock_step_s"] / best["step_s"],
-        "measured_step_s": measured_step_s, "measured_stock_step_s": stock["step_s"],
-        "measured_gain": stock["step_s"] / measured_step_s,
-        "prediction_error": measured_step_s / best["step_s"] - 1.0,
-    }
-    (out / "check.json").write_text(json.dumps(report, indent=1))
-    return report
+    def timed(args: dict) -> dict:
+        done = generate.run_backend(args, cases, repeat, on_call=progress.tick)
+        comm, images = done["comm"], np.stack(done["images"]) if done["images"] else None
+        return {"step_s": statistics.median(done["timings"]) / steps, "images": images,
+                "exposed_s": comm["blocked_s_max_over_ranks"] / (comm["runs"] * steps), "runner": done["runner"],
+                "ran": {**{k: done["ran"][k] for k in ("exchanges", "fallbacks", "v_first_calls")},
+                        "v_major_tokens": done["ran"]["v_major"].get("tokens", 0)}}
+
+    def slowest(value: float) -> float:  # the slowest rank sets the pace
+        return max(generate._gather(value))
+
+    progress.begin("equivalence")
+    ran = {name: timed({**base, **generate.VARIANTS[bench_e2e.CONFIGS[name]]}) for name in CONFIGS}
+    stock = ran["stock"]["images"]
+    verdicts = {}
+    for name in CONFIGS[1:]:
+        mine = ran[name]["images"]
+        verdict = None
+        if stock is not None:  # xfuser's pipelines output on the last rank
+            verdict = compare(stock, mine)
+            verdict["psnr_db"] = math.inf if verdict["bitwise_equal"] else quality.measure_images(stock, mine)[1]["psnr_db"]
+        verdicts[name] = generate._gather(verdict)
+    step_s = {name: slowest(r["step_s"]) for name, r in ran.items()}
+    exposed_s = {name: slowest(r["exposed_s"]) for name, r in ran.items()}
+
+    progress.begin("exchanges")
+    topo = resolve(topology, world)  # collective where detected: on every rank
+    plat = platform.detect()
+    device = plat.device(int(os.environ.get("LOCAL_RANK", "0")))
+    dtype = {4: torch.float32, 2: torch.bfloat16}[spec.dtype_bytes]
+    reports = []
+    for nbytes in sizes:
+        reports.append(bench_a2a.run_benchmark(topo, [nbytes], reps=A2A_REPS, dtype=dtype,
+                                               device=device, burst=burst(model, size, world, nbytes), layouts=False))
+        progress.tick()
+
+    progress.begin("prediction")
+    fabric = emulated()
+    calibration = out / "check-calibration.json"
+    report = None
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        a2a = {"fabric": None, **(fabric or {}), **reports[0], "burst": None,
+               "results": [{**r, "burst": rep["burst"]} for rep in reports for r in rep["results"]]}
+        calibration.write_text(json.dumps(a2a, indent=1) + "\n")
+        # A step's compute: TAPA's step less the communication it was blocked in, both measured (stock's
+        # unblocked time also holds the copies of xfuser's layout around its exchanges).
+        compute_s = step_s["tapa"] - exposed_s["tapa"]
+        tflops = effective_tflops(model, size, world, compute_s)
+        planned = plan_tool.plan(model, size, cluster=fabric and fabric["fabric"], nodes=a2a["levels"][0] if len(a2a["levels"]) > 1 else 1,
+                                 local=fabric and fabric["local"], steps=steps, calibrate=calibration, tflops=tflops,
+                                 fabric_params=fabric and fabric["fabric_params"])
+        best = planned["ranked"][0]
+        at_job = next(r for r in planned["ranked"] if (r["ulysses"], r["ring"], r["cfg"]) == (world, 1, 1))
+        rows, failures = zip(*(equivalence(name, verdicts[name], ran[name]["ran"]) for name in CONFIGS[1:]))
+        report = {
+            "model": model, "size": size, "steps": steps, "world_size": world, "topology": str(topo),
+            "fabric": fabric, "equivalence": list(rows), "equivalent": all(r["ok"] for r in rows),
+            "failures": [line for lines in failures for line in lines],
+            "measured": {name: {"step_s": step_s[name], "comm_exposed_s": exposed_s[name]} for name in CONFIGS},
+            "exchanges": [{k: r.get(k) for k in ("size_bytes", "burst", "flat_s", "flat_p2p_s", "hierarchical_s", "chosen", "chosen_s")}
+                          for r in a2a["results"]],
+            "calibration": str(calibration), "calibrated": planned["calibration"],
+            "compute_s": compute_s, "effective_tflops": tflops,
+            "recommended": {**planned["recommended"], "v_first": best["v_first"]}, "v_major": planned["v_major"],
+            "predicted_step_s": best["step_s"], "predicted_comm_s": best["cocodiff_comm_s"] + best["ring_s"],
+            "predicted_stock_step_s": at_job["stock_step_s"], "predicted_gain": at_job["stock_step_s"] / best["step_s"],
+        }
+    chosen = [None if report is None else tuple(report["recommended"][k] for k in ("ulysses", "ring", "cfg", "v_first"))]
+    dist.broadcast_object_list(chosen, src=0)
+    ulysses, ring, cfg, v_first = chosen[0]
+
+    progress.begin("measurement")
+    if (ulysses, ring, cfg) != (world, 1, 1):
+        destroy_model_parallel()  # xfuser builds its groups again for the recommended degrees
+    best_run = Run(model=model, ulysses_degree=ulysses, ring_degree=ring, cfg=cfg == 2, topology=topology, steps=steps,
+                   height=size, width=size)
+    measured = timed({**generate.runner_args(best_run.runner_argv()),
+                      **generate.VARIANTS["cocodiff+vfirst" if v_first else "cocodiff"]})
+    measured_step_s = slowest(measured["step_s"])
+    dist.barrier()
+    measured["runner"].cleanup()
+    if report is None:
+        return None
+    return {**report, "measured_step_s": measured_step_s, "measured_stock_step_s": step_s["stock"],
+            "measured_fair_step_s": step_s["fair-flat"], "measured_gain": step_s["stock"] / measured_step_s,
+            "measured_gain_vs_fair": step_s["fair-flat"] / measured_step_s,
+            "prediction_error": report["predicted_step_s"] / measured_step_s - 1.0}
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:8.2f}" if seconds else f"{'-':>8}"
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['model']} {r['size']}px, {r['steps']} steps on {r['fabric']} {r['nodes']}x{r['local']}",
-             "equivalence (against stock Ulysses; V-Major by PSNR):"]
+    fab = r["fabric"]
+    where = (f"emulated {fab['fabric']} {fab['nodes']}x{fab['local']}, "
+             + ", ".join(f"{k}={v:g}" for k, v in sorted(fab["fabric_params"].items()))) if fab else "this cluster"
+    lines = [f"{r['model']} {r['size']} px, {r['steps']} steps, ulysses {r['world_size']} (topology {r['topology']}) on {where}",
+             f"equivalence against stock Ulysses (bitwise on every rank; V-Major: PSNR >= {MIN_PSNR_DB:g} dB), step times:",
+             f"  {'':4} {'stock':<20} {'':16} {r['measured']['stock']['step_s'] * 1e3:8.1f} ms"]
     for row in r["equivalence"]:
-        what = "bitwise equal" if row["bitwise_equal"] else f"PSNR {row['psnr_db']:.1f} dB"
-        lines.append(f"  {'ok  ' if row['ok'] else 'FAIL'} {row['name']:<20} {what:<16} step {row['step_s'] * 1e3:7.1f} ms "
-                     f"({row['speedup_vs_fair']:.2f}x fair flat, {row['speedup_vs_stock']:.2f}x stock)")
-    lines.append("exchanges on the job's Ulysses group (ms):")
-    lines.append(f"  {'KiB':>9} {'stock':>8} {'fair flat':>9} {'TAPA':>8} {'chosen':>8}")
+        what = "bitwise equal" if row["bitwise_equal"] else f"{row['psnr_db']:.1f} dB PSNR"
+        lines.append(f"  {'ok' if row['ok'] else 'FAIL':4} {row['name']:<20} {what:<16} "
+                     f"{r['measured'][row['name']]['step_s'] * 1e3:8.1f} ms")
+        for reason, count in sorted(row["ran"]["fallbacks"].items()):
+            lines.append(f"  {'':4} {'':<20} fell back ({count}x over the ranks): {reason}")
+    lines.append("exchanges on the Ulysses group, ms each (median; a step's bytes back to back):")
+    lines.append(f"  {'KiB/rank':>9} {'x':>3} {'stock':>8} {'fair flat':>9} {'TAPA':>8} {'chosen':>8}")
     for e in r["exchanges"]:
-        ms = lambda v: f"{v * 1e3:8.3f}" if v else f"{'-':>8}"  # noqa: E731
-        lines.append(f"  {e['size_bytes'] / 1024:9.1f} {ms(e['flat_s'])} {ms(e['flat_p2p_s']):>9} {ms(e['hierarchical_s'])} "
-                     f"{ms(e['chosen_s'])} {e['chosen']}")
-    lines.append(f"calibration written to {r['calibration']} (cocodiff plan --calibrate {r['calibration']})")
-    rec = r["recommended"]
-    lines.append(f"recommended: {rec['flags']}")
-    lines.append(f"predicted step {r['predicted_step_s'] * 1e3:.1f} ms against stock's {r['predicted_stock_step_s'] * 1e3:.1f} ms: "
-                 f"{r['predicted_gain']:.2f}x (compute {r['compute_s'] * 1e3:.1f} ms per step, measured)")
-    lines.append(f"measured step {r['measured_step_s'] * 1e3:.1f} ms against stock's {r['measured_stock_step_s'] * 1e3:.1f} ms: "
-                 f"{r['measured_gain']:.2f}x; the prediction was {r['prediction_error']:+.0%} off")
+        lines.append(f"  {e['size_bytes'] / 1024:9.1f} {e['burst']:3d} {_ms(e['flat_s'])} {_ms(e['flat_p2p_s']):>9} "
+                     f"{_ms(e['hierarchical_s'])} {_ms(e['chosen_s'])} {e['chosen']}")
+    lines.append(f"calibration: {r['calibration']} (cocodiff plan --calibrate FILE reads it)")
+    lines.append(f"recommended: {r['recommended']['flags']}")
+    lines.append(f"  predicted step {r['predicted_step_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f} ms, measured, "
+                 f"+ communication {r['predicted_comm_s'] * 1e3:.1f} ms): {r['predicted_gain']:.2f}x stock's predicted "
+                 f"{r['predicted_stock_step_s'] * 1e3:.1f} ms")
+    if r["v_major"]:
+        lines.append(f"  optional, lossy: {r['v_major']['flag']} ({r['v_major']['note']})")
+    lines.append(f"measured (run after the prediction): step {r['measured_step_s'] * 1e3:.1f} ms, {r['measured_gain']:.2f}x "
+                 f"stock, {r['measured_gain_vs_fair']:.2f}x the fair flat exchange; the prediction is "
+                 f"{r['prediction_error']:+.0%} off")
     return "\n".join(lines)
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("check", help="will cocodiff help here? equivalence, exchange timings, calibration, "
-                                     "recommendation, predicted and measured gain (emulated cluster: run as root)")
-    p.add_argument("--fabric", choices=FABRICS, required=True, help="emulated cluster preset (network namespaces; needs root)")
-    p.add_argument("--model", default="digits-flux", help="the model (or a tiny stand-in) to check")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--local", type=int, default=2, help="ranks per node")
+    p = sub.add_parser(
+        "check", help="will cocodiff help here? equivalence, exchange timings as a calibration, the recommendation "
+                      "with its predicted and measured step (run it through the job's launcher, or --fabric as root)",
+        description="Start it on every rank through the job's launcher (torchrun --nproc-per-node N -m "
+                    "cocodiff_xfuser.tools.cli check ..., the shipped Slurm/PBS launchers, mpiexec), or give --fabric "
+                    "to run it on an emulated cluster (root).")
+    p.add_argument("--model", choices=models(), default="digits-flux", help="the stand-in to run and plan for")
     p.add_argument("--size", type=int, default=None, help="image height and width (default: the model's)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed pipeline calls per configuration")
+    p.add_argument("--topology", "--cocodiff_topology", "--cocodiff-topology", default=None,
+                   help="NxL[xT] or a preset (default: detected); the launchers' --cocodiff_topology is the same")
+    # The launchers add --sp-backend cocodiff to the command they run; the check runs stock and cocodiff both.
+    p.add_argument("--sp-backend", "--sp_backend", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="check-output", help="directory for the calibration and the report")
-    p.add_argument("--timeout", type=float, default=bench_e2e.TIMEOUT_S)
+    p.add_argument("--fabric", choices=FABRICS, default=None, help="run on an emulated cluster (network namespaces; root)")
+    p.add_argument("--nodes", type=int, default=2, help="with --fabric")
+    p.add_argument("--local", type=int, default=2, help="ranks per node, with --fabric")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="with --fabric: a link override")
+    p.add_argument("--timeout", type=float, default=bench_e2e.TIMEOUT_S, help="seconds, with --fabric")
     p.add_argument("--json", action="store_true", help="the last line: the report as one JSON object")
 
 
 def run_cli(args: Any) -> int:
-    from cocodiff_xfuser.tools.fabric import available
+    if launched():
+        return _on_ranks(args)
+    if args.fabric is None:
+        raise ValueError("start it on every rank through the job's launcher (torchrun --nproc-per-node N -m "
+                         "cocodiff_xfuser.tools.cli check ..., the shipped Slurm/PBS launchers, mpiexec), or give "
+                         "--fabric to run it on an emulated cluster (root)")
+    return _on_fabric(args)
+
+
+def _on_fabric(args: Any) -> int:
+    """Bring the emulated cluster up, run the check on its ranks, take it down."""
+    from cocodiff_xfuser.tools.bench import one_at_a_time
+    from cocodiff_xfuser.tools.bench.a2a import topology_for
+    from cocodiff_xfuser.tools.fabric import Fabric, available
 
     ok, why = available()
     if not ok:
         raise ValueError(f"cannot build the {args.fabric} fabric here: {why}")
-    from tqdm import tqdm
+    params = {**bench_e2e.REGIME_PARAMS[args.fabric], **{key: float(value) for key, value in (kv.split("=", 1) for kv in args.param)}}
+    fab = Fabric(args.fabric, args.nodes, args.local, params=params, fabric_id=f"c{os.getpid() % 100000}")
+    worker = [sys.executable, "-m", "cocodiff_xfuser.tools.cli", "check", "--model", args.model, "--steps", str(args.steps),
+              "--repeat", str(args.repeat), "--topology", topology_for(args.fabric, args.nodes, args.local),
+              "--out", str(Path(args.out).resolve()), *(["--size", str(args.size)] if args.size else []),
+              *(["--json"] if args.json else [])]
+    with one_at_a_time(), fab:
+        rc = fab.run(worker, timeout=args.timeout).returncode
+    if rc == 124:
+        print(f"cocodiff check: timed out after {args.timeout:g} s (--timeout)", file=sys.stderr)
+    return rc
 
-    stages = ("equivalence", "exchanges", "prediction", "measurement")
-    with tqdm(total=len(stages), desc="cocodiff check", unit="stage", file=sys.stderr) as bar:
-        def progress(stage: str) -> None:
-            bar.set_postfix_str(stage)
-            bar.update(0 if stage == stages[0] else 1)
 
-        report = check(args.fabric, args.model, args.nodes, args.local, args.size, args.steps, args.repeat,
-                       Path(args.out), args.timeout, progress)
-        bar.update(1)
-    print(format_report(report))
-    for row in report["equivalence"]:
-        if not row["ok"]:
-            print(f"cocodiff check: {row['name']} differs from stock (max |diff| {row['max_abs_diff']:.3g})", file=sys.stderr)
+def _quiet() -> None:
+    """Rank 0's stderr carries the check's progress bar and its stdout the report: the libraries'
+    progress bars and notices off (xfuser's loggers print to stdout; the environment is read when
+    xfuser and transformers load)."""
+    os.environ.setdefault("LOG_LEVEL", "error")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+    diffusers_logging.disable_progress_bar()
+    DiffusionPipeline._progress_bar_config = {"disable": True}  # every pipeline's denoising bar
+
+
+def _on_ranks(args: Any) -> int:
+    """This process is one rank of the job: run the stages, rank 0 reports."""
+    join_job()
+    _quiet()
+    from cocodiff_xfuser import commstats
+
+    commstats.enable()
+    rank = int(os.environ["RANK"])
+    size = args.size or tiny_models.SPECS[args.model].height
+    parts = (len(CONFIGS) + 1) * (1 + args.repeat) + len(message_sizes(args.model, size, int(os.environ["WORLD_SIZE"])))
+    progress = Progress(parts, draw=rank == 0)
+    try:
+        report = job(args.model, size, args.steps, args.repeat, args.topology, Path(args.out), progress)
+    except ValueError as e:  # the user's input, found alike on every rank
+        if rank == 0:
+            print(f"cocodiff check: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:  # noqa: BLE001 - one line, then the launcher stops the other ranks
+        print(f"cocodiff check: rank {rank}: {progress.stage} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+    finally:
+        progress.close()
+    if report is None:
+        return 0
+    (Path(args.out) / "check.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(format_report(report), flush=True)
+    for line in report["failures"]:
+        print(f"cocodiff check: {line}", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report), flush=True)
     return 0 if report["equivalent"] else 1

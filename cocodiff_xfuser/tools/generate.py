@@ -6,7 +6,7 @@ comma-separated), once per model and backend and, with ``--cases FILE`` (a JSON 
 ``[prompt, seed]``), once per case (one process start for all of them: start-up dominates
 on small machines). On the last rank (the one xfuser saves from) it writes
 ``DIR/<model>/<backend>/images.npy`` (float images in [0, 1], the cases' images in order),
-``DIR/progress.json`` (pipeline calls done and due) as it goes, and
+``DIR/progress.json`` (pipeline calls done and due, timed runs included) as it goes, and
 ``result.json``, with what ran summed over the ranks (``ran``: exchanges per
 algorithm and label, V-First calls, fall-backs) and, under ``COCODIFF_ORDER_AUDIT=1``, every
 rank's collective launches (``launches``). ``verify``, ``demo``, the benchmarks and the tests
@@ -22,6 +22,7 @@ import statistics
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -42,6 +43,50 @@ def output_dir(out: Path, model: str, backend: str) -> Path:
     return out / model.replace("/", "--") / backend
 
 
+def runner_args(argv: list[str]) -> dict:
+    """xfuser runner arguments from ``xdit``-style flags, as its runner parses them."""
+    from xfuser import xFuserArgs
+    from xfuser.config import FlexibleArgumentParser
+
+    return vars(xFuserArgs.add_runner_args(FlexibleArgumentParser()).parse_args(argv))
+
+
+def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None = None,
+                on_call: Callable[[], None] | None = None) -> dict:
+    """Generate ``cases`` (``[prompt, seed]``) through xfuser's runner configured by ``args``, on
+    every rank (collective). With ``repeat``, time that many more runs of the last case (``comm``:
+    their communication statistics). ``on_call`` follows every pipeline call. Returns ``runner``,
+    ``images`` (this rank's output), ``timings``, ``comm``, ``ran`` (summed over the ranks) and
+    ``launches`` (every rank's collective launches)."""
+    from xfuser.runner import xFuserModelRunner
+
+    from cocodiff_xfuser import commstats
+    from cocodiff_xfuser.comm import order
+
+    commstats.reset_ran()
+    launched_before = len(order.launches())
+    runner = xFuserModelRunner(args)
+    input_args = runner.preprocess_args(args)
+    input_args["output_type"] = "np"
+    runner.initialize(input_args)
+    images, timings = [], []
+    for prompt, seed in cases:
+        input_args.update(prompt=prompt, seed=seed)
+        output, case_timings = runner.run(input_args)
+        images += list(output.images)
+        timings += case_timings
+        if on_call is not None:
+            on_call()
+    comm = None
+    if repeat:
+        output, timings, comm = _timed_runs(runner, input_args, repeat, sync_dir, on_call)
+        images = list(output.images)
+    ran = commstats.sum_ran(_gather(commstats.ran()))
+    launches = _gather(order.launches()[launched_before:])
+    return {"runner": runner, "input_args": input_args, "images": images, "timings": timings, "comm": comm,
+            "ran": ran, "launches": launches}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ours = argparse.ArgumentParser(add_help=False)
@@ -55,20 +100,15 @@ def main(argv: list[str] | None = None) -> None:
     mine, runner_argv = ours.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO)  # as xfuser's runner does
 
-    from xfuser import xFuserArgs
-    from xfuser.config import FlexibleArgumentParser
     from xfuser.core.utils.runner_utils import is_last_process
-    from xfuser.runner import xFuserModelRunner
 
-    parser = xFuserArgs.add_runner_args(FlexibleArgumentParser())
-    base = vars(parser.parse_args(runner_argv))
+    base = runner_args(runner_argv)
     models = base["model"].split(",")
     backends = mine.backends.split(",") if mine.backends else [base["sp_backend"]]
     variants = {**VARIANTS, **(json.loads(mine.variants.read_text()) if mine.variants else {})}
     unknown = [b for b in backends if b not in variants]
     if unknown:
         raise SystemExit(f"unknown backend variant(s) {unknown}; choose from {sorted(variants)}")
-    from cocodiff_xfuser import commstats
     from cocodiff_xfuser.comm import order
 
     cases = json.loads(mine.cases.read_text()) if mine.cases else [[base["prompt"], base["seed"]]]
@@ -76,41 +116,27 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--repeat times one case; give --cases with one [prompt, seed] or no --cases")
     if is_last_process():
         mine.out.mkdir(parents=True, exist_ok=True)
-    progress = {"done": 0, "total": len(models) * len(backends) * len(cases)}
+    progress = {"done": 0, "total": len(models) * len(backends) * (len(cases) + mine.repeat)}
+
+    def on_call() -> None:
+        progress["done"] += 1
+        if is_last_process():
+            (mine.out / "progress.json").write_text(json.dumps(progress))
+
     runner = None
     for model in models:
         for backend in backends:
-            args = {**base, "model": model, **variants[backend]}
-            commstats.reset_ran()
-            launched_before = len(order.launches())
-            runner = xFuserModelRunner(args)
-            input_args = runner.preprocess_args(args)
-            input_args["output_type"] = "np"
-            runner.initialize(input_args)
-            images, timings = [], []
-            for prompt, seed in cases:
-                input_args.update(prompt=prompt, seed=seed)
-                output, case_timings = runner.run(input_args)
-                images += list(output.images)
-                timings += case_timings
-                progress["done"] += 1
-                if is_last_process():
-                    (mine.out / "progress.json").write_text(json.dumps(progress))
-            comm = None
-            if mine.repeat:
-                output, timings, comm = _timed_runs(runner, input_args, mine.repeat, mine.sync_dir)
-                images = list(output.images)
-            ran = commstats.sum_ran(_gather(commstats.ran()))
-            launches = _gather(order.launches()[launched_before:])
+            done = run_backend({**base, "model": model, **variants[backend]}, cases, mine.repeat, mine.sync_dir, on_call)
+            runner = done["runner"]
             if is_last_process():
                 path = output_dir(mine.out, model, backend)
-                _save(path, images, timings, input_args, comm, mine.save_png, ran, launches if order.auditing() else None,
-                      cases)
+                _save(path, done["images"], done["timings"], done["input_args"], done["comm"], mine.save_png,
+                      done["ran"], done["launches"] if order.auditing() else None, cases)
     if runner is not None:
         runner.cleanup()
 
 
-def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None):
+def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None, on_call: Callable[[], None] | None = None):
     """``repeat`` runs after the first, with communication statistics of those runs only."""
     import torch
     import torch.distributed as dist
@@ -123,6 +149,8 @@ def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None):
     for _ in range(repeat):
         output, run_timings = runner.run(input_args)
         timings += run_timings
+        if on_call is not None:
+            on_call()
     _handshake(sync_dir, "done")
     comm = commstats.report()
     # The slowest rank sets the pace: report its blocked time (on the device NCCL/XCCL reduce on).

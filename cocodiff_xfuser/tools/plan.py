@@ -390,7 +390,7 @@ def calibrate_file(path: Path, cores: float = 2.0) -> Tuple[Coeffs, Optional[Clu
         c.source = f"fitted on {path} (fabric line rates + efficiency and host terms)"
         return c, None
     r = reps[0]
-    levels = list(r["levels"])
+    levels = list(r["levels"]) or [r["world_size"]]  # one level (one node): no hierarchy to split
     W = math.prod(levels)
 
     def line(key: str) -> Tuple[float, float]:
@@ -411,7 +411,7 @@ def calibrate_file(path: Path, cores: float = 2.0) -> Tuple[Coeffs, Optional[Clu
     lv = [LinkLevel("node", levels[0], outer_frac / best_slope, best_lat)]
     if len(levels) > 1:
         lv.append(LinkLevel("gpu", W // levels[0], None))
-    c = Coeffs(flat_factor=slope0 / best_slope, source=f"node-level latency and bandwidth fitted on {path}")
+    c = Coeffs(flat_factor=slope0 / best_slope, source=f"the slowest level's latency and bandwidth fitted on {path}")
     return c, Cluster(lv, name=str(path))
 
 
@@ -562,7 +562,7 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int] = None, frames: int = 1,
+def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Optional[int] = None, frames: int = 1,
          batch: int = 1, steps: int = 50, calibrate: Optional[Path] = None, tflops: Optional[float] = None,
          pad_heads: bool = True, fabric_params: Optional[dict] = None) -> dict:
     """The ranked configurations and the recommendation (``fabric_params``: an emulated fabric's
@@ -577,13 +577,15 @@ def plan(model: str, size: int, *, cluster: str, nodes: int, local: Optional[int
         full = Cluster.from_fabric(Fabric(cluster, nodes, local or 2, params=fabric_params))
         c = fit([s for r in _a2a_reports(sorted(RESULTS_DIR.glob("a2a-*-*x*.json"))) for s in a2a_samples(r)])
         c.source = "fitted on the shipped a2a results (emulated fabric, 2-core host)"
-    else:
-        full = Cluster.from_preset(cluster, nodes)
+    else:  # no preset (None): the calibration's cluster
+        full = Cluster.from_preset(cluster, nodes) if cluster is not None else None
         c = Coeffs()
     if calibrate is not None:
         c, fitted = calibrate_file(Path(calibrate))
         if fitted is not None:
             full = fitted
+    if full is None:
+        raise ValueError("no cluster: name a preset, or calibrate with a real cluster's a2a JSON")
     calibrated = calibrate is not None or cluster in FABRICS
     if calibrated:
         calibration = f"calibrated: {c.source}"

@@ -63,7 +63,11 @@ class Run:
     def argv(self, backends: Sequence[str], out: Path, save_png: bool = False) -> list[str]:
         argv = ["-m", "cocodiff_xfuser.tools.generate", "--out", str(out), "--backends", ",".join(backends)]
         argv += ["--save-png"] if save_png else []
-        argv += [
+        return argv + self.runner_argv()
+
+    def runner_argv(self) -> list[str]:
+        """The ``xdit`` flags of this run."""
+        argv = [
             "--model", tiny_models.SPECS[self.model].model_id,
             "--ulysses_degree", str(self.ulysses_degree),
             "--ring_degree", str(self.ring_degree),

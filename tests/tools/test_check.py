@@ -1,5 +1,5 @@
-"""`cocodiff check`: the message sizes it times, the calibrated compute, its report; the whole
-command on the emulated rail (slow tier: about 2.5 minutes)."""
+"""`cocodiff check`: what it times and how, the calibrated compute, its verdicts, how it joins a
+job; the whole command under torchrun on this host, and on the emulated rail (slow tier)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,24 @@ import math
 import pytest
 
 from cocodiff_xfuser.tools import check, cli, fabric, plan
+from cocodiff_xfuser.tools.launcher import torchrun
 
 
 def test_it_times_the_sizes_of_the_models_exchanges():
     spec = plan.MODELS["digits-flux"]
-    sizes = check.message_sizes_mib("digits-flux", 64, 4)
-    # 256 image + 16 text tokens over 4 ranks, 8 heads x 16 channels, fp32: one tensor is 17 KiB
-    # per rank; Q/K/V stacked (3), V alone (1), Q/K (2) and the output (1).
-    unit = 272 / 4 * spec.heads * spec.head_dim * spec.dtype_bytes / 2**20
-    assert sizes == pytest.approx([unit, 2 * unit, 3 * unit])
+    sizes = check.message_sizes("digits-flux", 64, 4)
+    # 256 image + 16 text tokens over 4 ranks, 8 heads x 16 channels, fp32: one tensor is 34 KiB
+    # per rank; V alone and the output (1), Q/K (2), Q/K/V stacked (3).
+    unit = 272 // 4 * spec.heads * spec.head_dim * spec.dtype_bytes
+    assert sizes == [unit, 2 * unit, 3 * unit]
+
+
+def test_each_size_is_timed_moving_a_steps_bytes_back_to_back():
+    spec = plan.MODELS["digits-flux"]
+    step = sum(x * n for _, x, n in plan.step_messages(spec, 64, ulysses=4, v_first=True))
+    for nbytes in check.message_sizes("digits-flux", 64, 4):
+        n = check.burst("digits-flux", 64, 4, nbytes)
+        assert n * nbytes >= step > (n - 1) * nbytes
 
 
 def test_the_planner_given_the_effective_rate_prices_the_measured_compute():
@@ -28,11 +37,67 @@ def test_the_planner_given_the_effective_rate_prices_the_measured_compute():
     assert row["compute_s"] == pytest.approx(compute_s)
 
 
+def test_a_lossless_mechanism_must_be_bitwise_on_every_rank_and_v_major_above_the_floor():
+    exact = {"bitwise_equal": True, "max_abs_diff": 0.0, "psnr_db": math.inf}
+    off = {"bitwise_equal": False, "max_abs_diff": 0.5, "psnr_db": 21.0}
+    ran = {"exchanges": {"hierarchical": 8}, "fallbacks": {}, "v_first_calls": 0}
+    row, failures = check.equivalence("tapa", [None, exact, off], ran)
+    assert not row["ok"] and row["ranks_compared"] == 2 and row["ran"] is ran
+    assert failures == ["rank 2: tapa differs from stock (max |diff| 0.5)"]
+    row, failures = check.equivalence("tapa+vfirst+vmajor", [None, off], ran)
+    assert not row["ok"] and failures == [f"rank 1: tapa+vfirst+vmajor is 21.0 dB PSNR from stock, below {check.MIN_PSNR_DB:g}"]
+    assert check.equivalence("tapa+vfirst+vmajor", [{**off, "psnr_db": 35.0}], ran)[0]["ok"]
+
+
+def test_it_joins_a_job_started_by_torchrun_or_an_mpi_launcher():
+    assert check.launched({"RANK": "0"}) and check.launched({"PMI_RANK": "3"}) and not check.launched({})
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}
+    check.join_job(env)
+    assert (env["RANK"], env["WORLD_SIZE"]) == ("1", "4")
+    with pytest.raises(ValueError, match="MASTER_ADDR, MASTER_PORT"):
+        check.join_job({"PMI_RANK": "0", "PMI_SIZE": "2"})
+
+
+def test_on_an_emulated_rank_it_reads_the_fabric_from_the_emulators_variables():
+    env = {"CCD_FABRIC_PRESET": "rail", "CCD_NODES": "2", "CCD_LOCAL": "2", "CCD_FABRIC_PARAMS": "rail_bps=6e+07"}
+    assert check.emulated(env) == {"fabric": "rail", "nodes": 2, "local": 2, "fabric_params": {"rail_bps": 6e7}}
+    assert check.emulated({}) is None
+
+
+def test_neither_launched_nor_emulated_it_says_how_to_start_it(monkeypatch, capsys):
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "PALS_RANKID"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cocodiff check: start it on every rank through the job's launcher")
+
+
 def test_without_an_emulated_fabric_it_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(fabric, "available", lambda: (False, "not root"))
     assert cli.main(["check", "--fabric", "rail"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["cocodiff check: cannot build the rail fabric here: not root"]
+
+
+@pytest.mark.distributed
+def test_check_started_by_torchrun(tmp_path):
+    """As on a user's cluster: every rank runs the stages in process; one node (no slow level), so
+    V-Major's fall-back is reported, and the calibration is a real cluster's (no fabric)."""
+    argv = ["-m", "cocodiff_xfuser.tools.cli", "check", "--model", "digits-flux", "--steps", "2", "--repeat", "1",
+            "--out", str(tmp_path), "--json"]
+    result = torchrun(2, argv, timeout=600)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["fabric"] is None and report["topology"] == "1x2" and report["equivalent"]
+    rows = {row["name"]: row for row in report["equivalence"]}
+    assert all(rows[name]["bitwise_equal"] for name in ("fair-flat", "tapa", "tapa+vfirst"))
+    assert rows["tapa+vfirst"]["ran"]["v_first_calls"] > 0 and rows["tapa"]["ran"]["exchanges"]
+    assert rows["tapa+vfirst+vmajor"]["ran"]["fallbacks"] == {"v-major: no slow level": 2}
+    assert "fell back (2x over the ranks): v-major: no slow level" in result.stdout
+    coeffs, cluster = plan.calibrate_file(tmp_path / "check-calibration.json")  # what plan --calibrate reads
+    assert cluster is not None and coeffs.source.startswith("the slowest level's")
+    assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0
+    assert (tmp_path / "check.json").exists()
 
 
 ok, why = fabric.available()
@@ -41,10 +106,12 @@ ok, why = fabric.available()
 @pytest.mark.slow
 @pytest.mark.fabric
 @pytest.mark.skipif(not ok, reason=f"emulated fabric unavailable: {why}")
-def test_check_on_the_emulated_rail(tmp_path, capsys):
+def test_check_on_the_emulated_rail(tmp_path, capfd):
     assert cli.main(["check", "--fabric", "rail", "--model", "digits-flux", "--out", str(tmp_path), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["equivalent"] and {row["name"] for row in report["equivalence"]} >= {"tapa", "tapa+vfirst"}
+    report = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert report["equivalent"] and report["fabric"]["fabric"] == "rail"
+    rows = {row["name"]: row for row in report["equivalence"]}
+    assert rows["tapa+vfirst+vmajor"]["ran"]["v_major_tokens"] > 0 and not rows["tapa+vfirst+vmajor"]["ran"]["fallbacks"]
     calibration = plan.calibrate_file(tmp_path / "check-calibration.json")  # what plan --calibrate reads
     assert calibration[0].source.startswith("fitted on")
     assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0

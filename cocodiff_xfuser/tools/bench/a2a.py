@@ -240,13 +240,15 @@ def run_benchmark(
     warmup: int = 2,
     autotune_reps: int | None = None,
     burst: int = DEFAULT_BURST,
+    layouts: bool = True,
 ) -> dict[str, Any] | None:
     """Benchmark on every rank (collective over the world); rank 0 returns the report.
 
     ``groups`` lists the global ranks of every Ulysses group (default: one group of all ranks);
     each rank measures its own group, the report covers rank 0's group. ``chosen`` is what an
     ``auto`` :class:`AutoAllToAll` picks for the size (its own short measurement, as in a real
-    run); ``chosen_s`` is that algorithm's median in this benchmark.
+    run); ``chosen_s`` is that algorithm's median in this benchmark. ``layouts``: also compare
+    xfuser's and cocodiff's Ulysses layouts where the size splits into them (``ulysses``).
     """
     if timing not in TIMINGS:
         raise ValueError(f"timing {timing!r}: expected one of {TIMINGS}")
@@ -316,7 +318,7 @@ def run_benchmark(
             },
             times_s=times,
         )
-        entry["ulysses"] = _ulysses_layouts(x, pg, tuner, timer, reps, warmup)
+        entry["ulysses"] = _ulysses_layouts(x, pg, tuner, timer, reps, warmup) if layouts else None
         results.append(entry)
     if rank != 0:
         return None
