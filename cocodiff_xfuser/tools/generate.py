@@ -81,8 +81,8 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     if repeat:
         output, timings, comm = _timed_runs(runner, input_args, repeat, sync_dir, on_call)
         images = list(output.images)
-    ran = commstats.sum_ran(_gather(commstats.ran()))
-    launches = _gather(order.launches()[launched_before:])
+    ran = commstats.sum_ran(gather(commstats.ran()))
+    launches = gather(order.launches()[launched_before:])
     return {"runner": runner, "input_args": input_args, "images": images, "timings": timings, "comm": comm,
             "ran": ran, "launches": launches}
 
@@ -164,7 +164,7 @@ def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None, on
     return output, timings, comm
 
 
-def _gather(value) -> list:
+def gather(value) -> list:
     """``value`` of every rank, in rank order (collective over the world)."""
     import torch.distributed as dist
 

@@ -15,7 +15,7 @@ import pytest
 
 from cocodiff_xfuser.tools.launcher import _descendants, _kill_tree
 
-TIMEOUT_S = 20
+TIMEOUT_S = 10
 XDIT = Path(sys.executable).with_name("xdit")
 
 

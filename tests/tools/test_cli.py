@@ -19,8 +19,9 @@ def _cocodiff(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.distributed
-def test_verify_json_reports_bitwise_equality():
-    result = _cocodiff("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "2x2", "--json")
+def test_verify_json_reports_bitwise_equality_and_what_ran():
+    result = _cocodiff("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "2x2", "--v-first",
+                       "--json", "--cocodiff-a2a", "hierarchical")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("model", "ulysses_degree", "ring_degree", "topology", "max_abs_diff", "bitwise_equal",
@@ -28,15 +29,6 @@ def test_verify_json_reports_bitwise_equality():
         assert key in report
     assert report["bitwise_equal"] is True and report["max_abs_diff"] == 0.0
     assert report["reference"] == "stock-ulysses" and report["topology"] == "2x2"
-
-
-@pytest.mark.distributed
-def test_verify_reports_what_ran_with_v_first():
-    result = _cocodiff("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "2x2", "--v-first",
-                       "--json", "--cocodiff-a2a", "hierarchical")
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["bitwise_equal"] is True
     stock, ours = report["ran"]["ulysses"], report["ran"]["cocodiff"]
     assert set(stock["exchanges"]) == {"stock"} and stock["v_first_calls"] == 0
     assert set(ours["exchanges"]) == {"hierarchical"} and ours["fallbacks"] == {}
