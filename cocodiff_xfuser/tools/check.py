@@ -217,7 +217,7 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         # unblocked time also holds the copies of xfuser's layout around its exchanges).
         compute_s = step_s["tapa"] - exposed_s["tapa"]
         tflops = effective_tflops(model, size, world, compute_s)
-        planned = plan_tool.plan(model, size, cluster=fabric and fabric["fabric"], nodes=a2a["levels"][0] if len(a2a["levels"]) > 1 else 1,
+        planned = plan_tool.plan(model, size, cluster=fabric and fabric["fabric"], nodes=fabric["nodes"] if fabric else 1,
                                  local=fabric and fabric["local"], steps=steps, calibrate=calibration, tflops=tflops,
                                  fabric_params=fabric and fabric["fabric_params"])
         best = planned["ranked"][0]
@@ -333,12 +333,12 @@ def _on_fabric(args: Any) -> int:
     """Bring the emulated cluster up, run the check on its ranks, take it down."""
     from cocodiff_xfuser.tools.bench import one_at_a_time
     from cocodiff_xfuser.tools.bench.a2a import topology_for
-    from cocodiff_xfuser.tools.fabric import Fabric, available
+    from cocodiff_xfuser.tools.fabric import Fabric, available, parse_params
 
     ok, why = available()
     if not ok:
         raise ValueError(f"cannot build the {args.fabric} fabric here: {why}")
-    params = {**bench_e2e.REGIME_PARAMS[args.fabric], **{key: float(value) for key, value in (kv.split("=", 1) for kv in args.param)}}
+    params = {**bench_e2e.REGIME_PARAMS[args.fabric], **parse_params(args.param)}
     fab = Fabric(args.fabric, args.nodes, args.local, params=params, fabric_id=f"c{os.getpid() % 100000}")
     worker = [sys.executable, "-m", "cocodiff_xfuser.tools.cli", "check", "--model", args.model, "--steps", str(args.steps),
               "--repeat", str(args.repeat), "--topology", topology_for(args.fabric, args.nodes, args.local),

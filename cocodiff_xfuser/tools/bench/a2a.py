@@ -657,7 +657,7 @@ def run_cli(args: argparse.Namespace) -> int:
     ``args.nodes``, ``args.local``, ``args.sizes_mib`` (``"4,8,16"`` or a list), ``args.reps``,
     ``args.out`` (directory, or None to write nothing), ``args.json`` (print the JSON report on
     stdout, the table on stderr); optional ``args.timeout`` (seconds), ``args.dtype``."""
-    from cocodiff_xfuser.tools.fabric import available
+    from cocodiff_xfuser.tools.fabric import available, parse_params
 
     fabric = getattr(args, "fabric", None)
     if fabric in ("", "none", "loopback"):
@@ -670,7 +670,7 @@ def run_cli(args: argparse.Namespace) -> int:
     as_json = bool(getattr(args, "json", False))
     shapes = getattr(args, "shapes", None)
     try:
-        params = _parse_params(getattr(args, "param", None) or [])
+        params = parse_params(getattr(args, "param", None) or []) or None
         layouts = [_parse_shape(t) for t in shapes.split(",")] if shapes else [
             (int(getattr(args, "nodes", 2) or 2), int(getattr(args, "local", 2) or 2))
         ]
@@ -707,19 +707,6 @@ def run_cli(args: argparse.Namespace) -> int:
     if as_json:
         print(json.dumps(report, indent=2), flush=True)
     return 0
-
-
-def _parse_params(pairs: Sequence[str]) -> dict[str, float] | None:
-    params = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        try:
-            if not sep:
-                raise ValueError(pair)
-            params[key] = float(value)
-        except ValueError:
-            raise ValueError(f"--param {pair!r}: expected KEY=NUMBER") from None
-    return params or None
 
 
 def _parse_shape(text: str) -> tuple[int, int]:

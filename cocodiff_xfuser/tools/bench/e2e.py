@@ -23,7 +23,7 @@ import numpy as np
 from cocodiff_xfuser.tools import quality
 from cocodiff_xfuser.tools.bench import one_at_a_time
 from cocodiff_xfuser.tools.bench.a2a import topology_for
-from cocodiff_xfuser.tools.fabric import Fabric
+from cocodiff_xfuser.tools.fabric import Fabric, parse_params
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run, compare
@@ -228,7 +228,7 @@ def run_cli(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    params = {key: float(value) for key, value in (kv.split("=", 1) for kv in args.param)}
+    params = parse_params(args.param)
     report = bench_e2e(args.fabric, args.model, args.nodes, args.local, args.size, args.steps, args.repeat,
                        params or None, args.timeout, args.configs.split(",") if args.configs else None)
     stem = f"e2e-{args.model}-{args.fabric}"

@@ -595,14 +595,18 @@ def _probe() -> Tuple[bool, str]:
 
 
 # ---------------------------------------------------------------------- CLI
-def _parse_params(items: Sequence[str]) -> Dict[str, float]:
-    out = {}
-    for it in items or ():
-        if "=" not in it:
-            raise SystemExit(f"--param expects key=value, got {it!r}")
-        k, v = it.split("=", 1)
-        out[k.strip()] = float(v)
-    return out
+def parse_params(pairs: Sequence[str]) -> Dict[str, float]:
+    """``--param KEY=NUMBER`` link overrides as a dict; a malformed one is a ValueError naming it."""
+    params = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        try:
+            if not sep:
+                raise ValueError(pair)
+            params[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--param {pair!r}: expected KEY=NUMBER") from None
+    return params
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -626,7 +630,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not preset:
             ap.print_help()
             return 2
-        fab = Fabric(preset, a.nodes, a.local, params=_parse_params(a.param))
+        fab = Fabric(preset, a.nodes, a.local, params=parse_params(a.param))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
