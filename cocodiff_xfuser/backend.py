@@ -257,12 +257,13 @@ class CocodiffBackend:
 
     @torch.compiler.disable
     def start_sparse(
-        self, x: torch.Tensor, rows: torch.Tensor, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
-        of_v: bool = False,
+        self, x: torch.Tensor, rows: sparse.Rows, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
+        of_v: bool = False, by_receiver: bool = False, peers: dict[int, torch.Tensor] | None = None,
     ) -> _Reshaping:
         """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
         other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
-        add). Routed like the exact exchange of the same size: two phases where the autotune chose TAPA,
+        add; ``by_receiver`` and ``peers``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s).
+        Routed like the exact exchange of the same size: two phases where the autotune chose TAPA,
         the backend's all-to-all with split sizes where it chose ``flat``, else one point-to-point batch.
 
         ``of_v``: V's exchange of a layer. Under ``--cocodiff-v-major auto`` (unless ``if_slower:
@@ -279,9 +280,11 @@ class CocodiffBackend:
                 self._sparse_v += 1
                 if self._sparse_v == RECHECK_USES:
                     self._check_sparse(x, rows, selection, into, residual, exact_algorithm, two_phase, collective)
-            slow, exact = sparse.sent_bytes(x, rows, self.slow_level)
+            slow, exact = sparse.sent_bytes(x, rows, self.slow_level, by_receiver)
             commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
-            exchange = sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective)
+            exchange = sparse.SparseHandle(
+                x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective, by_receiver, peers
+            )
             handle = _Reshaping(self, exchange, into.shape, label, algorithm)
         except RuntimeError as e:
             self._abort(label, algorithm, e)

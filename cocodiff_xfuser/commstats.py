@@ -64,6 +64,7 @@ class _Ran:
     # V-Major: (step, layer) -> [active tokens, tokens] summed over the layer's calls at that step.
     v_major: dict = field(default_factory=dict)
     v_major_s: float = 0.0  # host time in V-Major's bookkeeping: selection, references, residuals
+    v_major_sparse: Counter = field(default_factory=Counter)  # exchange ('v', 'qk', 'o') -> sparse exchanges
 
 
 _totals = _Totals()
@@ -102,6 +103,11 @@ def count_v_major_time(seconds: float) -> None:
     _ran.v_major_s += seconds
 
 
+def count_v_major_sparse(name: str) -> None:
+    """A sparse exchange of a layer's ``name`` ('v', 'qk' or 'o': which of them follow V's decision)."""
+    _ran.v_major_sparse[name] += 1
+
+
 def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
     counts = _ran.v_major.setdefault((step, layer), [0, 0])
     counts[0] += active
@@ -115,7 +121,8 @@ def ran() -> dict:
     ran afterwards), ``slow_link_bytes`` and ``slow_link_bytes_exact``, ``copied_bytes`` (local
     copies around and inside the exchanges: layout changes, re-blocking), ``padded_bytes`` (zero
     heads and tokens sent so that counts not divisible by the degree split), ``v_major``: the tokens
-    V-Major sent over slow links, ``active``, of ``tokens``, in total, per step and per layer, and
+    V-Major sent over slow links, ``active``, of ``tokens``, in total, per step and per layer,
+    ``v_major_sparse``: its sparse exchanges per exchange of a layer ('v', 'qk', 'o'), and
     ``v_major_s``: the host time of V-Major's bookkeeping (selection, references, residuals; on a
     GPU the time to queue that work, which the device runs asynchronously)."""
     return {
@@ -130,6 +137,7 @@ def ran() -> dict:
         "padded_bytes": _ran.padded_bytes,
         "v_major": _v_major_report(_ran.v_major),
         "v_major_s": _ran.v_major_s,
+        "v_major_sparse": dict(_ran.v_major_sparse),
     }
 
 
@@ -150,7 +158,7 @@ def _v_major_report(counts: dict) -> dict:
 def sum_ran(reports: list[dict]) -> dict:
     """The :func:`ran` reports of several ranks, summed."""
     numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact", "copied_bytes", "padded_bytes", "v_major_s")
-    counters = ("exchanges", "labels", "fallbacks", "reverted")
+    counters = ("exchanges", "labels", "fallbacks", "reverted", "v_major_sparse")
     total = {**{key: Counter() for key in counters}, **dict.fromkeys(numbers, 0)}
     for report in reports:
         for key in counters:

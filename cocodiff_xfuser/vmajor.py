@@ -5,7 +5,10 @@ it last sent for that token (so a token that stays cached for many steps never d
 than the policy allows). Tokens the policy selects are *active*: the exchange sends them to every
 rank, and the others only to node-mates (:mod:`.comm.sparse`); receivers on other nodes keep the
 previous result of the exchange and update its active rows. With scope ``qkv`` the Q and K
-exchanges of the layer follow V's selection (the paper's reading); with scope ``v`` they are exact.
+exchanges of the layer follow V's selection (the paper's reading); with scope ``v`` they are exact;
+with ``qkvo`` the output exchange follows it too: a rank's output rows are its own tokens, so each
+sender sends a rank on another node its attention output at that rank's active tokens, whose
+indices it received with V's rows (nothing more travels), and keeps its own reference.
 
 Decisions that change which collectives run (full or sparse exchange at this step, whether a
 layer fits the cache budget, how many rows each rank sends) depend only on the step, the shapes,
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +53,7 @@ logger = logging.getLogger("cocodiff_xfuser")
 DEFAULTS = CONFIGS / "policies" / "v-major.yaml"
 POLICIES = ("threshold", "top-k", "schedule", "budget")
 METRICS = ("rel-l2", "l1")
-SCOPES = ("v", "qkv")
+SCOPES = ("v", "qkv", "qkvo")
 RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn")
 IF_SLOWER = ("stop", "keep")
 MODES = ("off", "on", "auto")
@@ -293,8 +296,8 @@ class _Caches:
 
     def __init__(self, shape: tuple) -> None:
         self.shape = shape
-        # Exchange name ('v', 'qk') -> the input as the receivers on other nodes hold it
-        # (destination-major; 'qk' only with residuals), and the last result on this rank.
+        # Exchange name ('v', 'qk', 'o') -> the input as the receivers on other nodes hold it
+        # (destination-major; 'qk' and 'o' only with residuals), and the last result on this rank.
         self.reference: dict[str, torch.Tensor] = {}
         self.received: dict[str, torch.Tensor] = {}
 
@@ -340,17 +343,23 @@ class Layer:
             change = _squared_change(v, reference)
             clock.need(self.index, _share_needed(change, v, settings.error))
         k = None if reference is None else self._count(step, s)
-        full = (
-            reference is None
-            or step < settings.warmup_steps
-            or (settings.refresh_every and step % settings.refresh_every == 0)
+        if (
+            step < settings.warmup_steps
             or (settings.policy == "budget" and clock.shares_now() is None)  # nothing measured yet
+        ):
+            k = s
+        exact = (
+            reference is None
+            or (settings.refresh_every and step % settings.refresh_every == 0)
             or (k is not None and k >= s and settings.residual is None)  # every token as values: the exact exchange is smaller
         )
-        if full:
+        if exact:
             commstats.count_v_major(step, self.index, s, s)
             return Step(self, caches, None)
-        active = change.topk(k).indices if change is not None else self._select(v, reference, k)
+        if k is not None and k >= s:  # every token, as residuals: in order, so no index travels
+            active = torch.arange(s, device=v.device)
+        else:
+            active = change.topk(k).indices if change is not None else self._select(v, reference, k)
         commstats.count_v_major(step, self.index, active.numel(), s)
         return Step(self, caches, active)
 
@@ -401,9 +410,9 @@ def _share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> torch.
 
 
 def _cache_bytes(v: torch.Tensor, settings: Settings) -> int:
-    """The receivers' results and the senders' references of V (and of Q, K under scope qkv; their
-    references only with residuals)."""
-    received = 3 if settings.scope == "qkv" else 1
+    """The receivers' results and the senders' references of V (and of Q, K under scope qkv, and
+    the output under qkvo; their references only with residuals)."""
+    received = len(settings.scope)  # v: 1, qkv: 3, qkvo: 4
     references = received if settings.residual is not None else 1
     return v.numel() * v.element_size() * (received + references)
 
@@ -412,6 +421,10 @@ def _total_steps() -> int:
     from xfuser.core.distributed import get_runtime_state
 
     return int(get_runtime_state().input_config.num_inference_steps)
+
+
+#: The scopes under which each exchange of a layer follows V's decision.
+_FOLLOWS = {"v": SCOPES, "qk": ("qkv", "qkvo"), "o": ("qkvo",)}
 
 
 @dataclass
@@ -426,6 +439,9 @@ class Step:
     caches: _Caches | None
     active: torch.Tensor | None
     selection: Any = None  # the active rows and every rank's count, once known (the V exchange)
+    # The active tokens of every rank on another node (group rank -> indices), as V's exchange
+    # received them: the rows the output exchange sends them under scope qkvo.
+    peers: dict = field(default_factory=dict)
 
     @property
     def fixed(self) -> bool:
@@ -433,34 +449,47 @@ class Step:
         return self.layer.settings.policy != "threshold"
 
     def covers(self, name: str, x: torch.Tensor) -> bool:
-        """Whether the exchange ``name`` of ``x`` (destination-major) follows this decision."""
-        if self.caches is None or (name != "v" and self.layer.settings.scope != "qkv"):
+        """Whether the exchange ``name`` ('v', 'qk' or 'o') of ``x`` (destination-major
+        ``[W, n, b, h/W, s, d]``) follows this decision."""
+        if self.caches is None or self.layer.settings.scope not in _FOLLOWS[name]:
             return False
         return x.shape[4] == self.caches.shape[4] and x.shape[2] == self.caches.shape[2]
 
-    def rows(self, name: str, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def rows(self, name: str, x: torch.Tensor) -> tuple[Any, bool]:
         """What the exchange ``name`` of ``x`` (``[W, n, b, h/W, s, d]``) sends over slow links this
         step, and whether it is a residual; updates the reference to what the receivers will hold.
 
         A full step sends everything: the reference becomes ``x``. A sparse one sends the active
         tokens, as values, or as their change since the reference rounded to the residual dtype
         (the rounding error stays in the reference's distance to V, so it is sent later: error
-        feedback).
+        feedback). The input exchanges send this rank's active tokens to everyone (a tensor,
+        ``[W, n, b, h/W, k, d]``); the output exchange ('o') sends each rank on another node its
+        own active tokens (a dict, group rank -> ``[n, b, h/W, k_j, d]``).
         """
         caches, residual = self.caches, self.layer.settings.residual
-        keeps_reference = name == "v" or residual is not None
         if self.active is None:
-            if keeps_reference:
+            if name == "v" or residual is not None:
                 caches.reference[name] = x
             return x, False
-        active = self.selection.active
-        fresh = x.index_select(4, active)
         reference = caches.reference.get(name)
-        if residual is None:
-            if reference is not None:
-                reference.index_copy_(4, active, fresh)
-            return fresh, False
-        limit = torch.finfo(residual).max  # fp8 has no infinity: out-of-range values would cast to NaN
-        change = (fresh - reference.index_select(4, active)).clamp(-limit, limit).to(residual)
-        reference.index_add_(4, active, change.to(x.dtype))
-        return change, True
+        if name == "o":
+            sent = {j: _changed(x[j], None if reference is None else reference[j], active, 3, residual)
+                    for j, active in self.peers.items()}
+        else:
+            sent = _changed(x, reference, self.selection.active, 4, residual)
+        return sent, residual is not None
+
+
+def _changed(x: torch.Tensor, reference: torch.Tensor | None, active: torch.Tensor, dim: int, residual: torch.dtype | None) -> torch.Tensor:
+    """The rows ``active`` (along ``dim``) of ``x`` as they travel: their values (``reference``, where
+    kept, takes them), or with ``residual`` their change since ``reference`` in that dtype, clamped
+    to its range, which ``reference`` adds as the receivers will."""
+    fresh = x.index_select(dim, active)
+    if residual is None:
+        if reference is not None:
+            reference.index_copy_(dim, active, fresh)
+        return fresh
+    limit = torch.finfo(residual).max  # fp8 has no infinity: out-of-range values would cast to NaN
+    change = (fresh - reference.index_select(dim, active)).clamp(-limit, limit).to(residual)
+    reference.index_add_(dim, active, change.to(x.dtype))
+    return change

@@ -59,11 +59,13 @@ SEED = 42
 # which every mechanism (V-Major's sparse steps included, from the second) exercises alike.
 STEPS = 4
 # V-Major with a zero threshold (and no warm-up) sends every token that changed at all, as values,
-# so it must be bitwise equal too, while its sparse exchanges (masks, uneven sizes, caches) all run.
+# so it must be bitwise equal too, while its sparse exchanges (masks, uneven sizes, caches) all run:
+# V's, Q/K's and the output's (scope qkvo).
 V_MAJOR_EXACT = {
     "cocodiff+vmajor0": {
         "sp_backend": "cocodiff", "cocodiff_v_major": "on", "cocodiff_v_major_policy": "threshold",
         "cocodiff_v_major_threshold": 0.0, "cocodiff_v_major_warmup_steps": 0, "cocodiff_v_major_residual_dtype": "none",
+        "cocodiff_v_major_scope": "qkvo",
     }
 }
 BACKENDS = ("ulysses", "cocodiff", "cocodiff+vfirst", *V_MAJOR_EXACT)
@@ -139,6 +141,7 @@ def _assert_v_major_ran(ran: dict, layout: str) -> None:
     if ulysses == 4 or topology == "2x1":  # the Ulysses groups span both nodes
         sparse = {"v-major two-phase"} if "--cocodiff_a2a" in flags else {"v-major one-phase", "v-major two-phase"}
         assert set(ran["exchanges"]) & sparse and ran["v_major"]["tokens"] > 0, ran
+        assert set(ran["v_major_sparse"]) == {"v", "qk", "o"}, ran
         assert ran["fallbacks"] == {} and ran["v_first_calls"] > 0, ran
     else:  # the Ulysses groups stay on one node: V-Major has nothing to spare, and says so
         assert ran["fallbacks"] == {"v-major: no slow level": ran["fallbacks"].get("v-major: no slow level")}, ran

@@ -2,9 +2,16 @@
 
 The data is the destination-major input of a Ulysses exchange viewed as ``[W, P, s, d]``: chunk
 ``j`` goes to group rank ``j`` and is ``P`` planes (tensors x batch x heads) of ``s`` rows
-(tokens). Each sender chooses the rows it sends over slow links (its *active* rows, the same set
-for every destination); they travel with their indices (int32), and the receivers update those
-rows of the previous exchange's result, which they keep, and reuse the others. What every rank of
+(tokens). Over slow links only *active* rows travel, and the receivers update those rows of the
+previous exchange's result, which they keep, and reuse the others. Who chose the rows decides
+what travels with them:
+
+* chosen by the sender (the input exchanges: each rank selects among its own tokens, the same set
+  for every destination): the rows travel with their indices (int32), which the receivers may
+  record; a sender that sends every row sends them in order, without indices;
+* chosen by the receiver (the output exchange: its rows are the receiver's tokens): each sender
+  sends a receiver the rows at that receiver's active tokens, learned from the input exchange, and
+  the receiver places them at its own active tokens; no index travels. What every rank of
 the group sends is sized by the :class:`Selection`'s counts, which every rank knows before the
 exchange: from the settings and the step where the policy fixes the count (nothing to agree, no
 host synchronization), or from one all-gather of the counts (:func:`agree_counts`) where it does
@@ -37,6 +44,10 @@ import torch.distributed as dist
 
 from . import flat, order, subgroups, transport
 from .topology import Topology
+
+#: Rows for destination ``j`` at ``rows[j]`` (``[P, k_j, d]``): a ``[W, P, k, d]`` tensor, or a
+#: mapping with the destinations on other nodes.
+Rows = Any
 
 @dataclass
 class SlowLevel:
@@ -97,7 +108,7 @@ def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> di
 class Selection:
     """This rank's active rows and how many rows every rank of the group sends over slow links."""
 
-    active: torch.Tensor  # [k] this rank's rows (int64, on the device, any order)
+    active: torch.Tensor  # [k] this rank's rows (int64, on the device, any order; all of them in order)
     counts: tuple[int, ...]  # k of every group rank, the same on every rank
 
     @classmethod
@@ -117,12 +128,18 @@ def agree_counts(active: torch.Tensor, group: Any) -> Selection:
     return Selection(active, tuple(counts.tolist()))
 
 
-def sent_bytes(x: torch.Tensor, rows: torch.Tensor, level: SlowLevel) -> tuple[int, int]:
-    """Bytes this rank's data sends to other nodes: (sparse: ``rows`` with their indices; exact)."""
-    w, p, s, d = x.shape
-    remote = sum(not level.fast(j) for j in range(w))
-    k = rows.shape[2]
-    return remote * (rows[0].numel() * rows.element_size() + k * _INDEX_BYTES), remote * x[0].numel() * x.element_size()
+def sent_bytes(x: torch.Tensor, rows: Rows, level: SlowLevel, by_receiver: bool = False) -> tuple[int, int]:
+    """Bytes this rank's data sends to other nodes: (sparse: ``rows``, with their indices unless
+    the receivers know them; exact)."""
+    remote = [j for j in range(x.shape[0]) if not level.fast(j)]
+    sparse = sum(rows[j].numel() * rows[j].element_size() + _index_bytes(rows[j].shape[1], x.shape[2], by_receiver) for j in remote)
+    return sparse, len(remote) * x[0].numel() * x.element_size()
+
+
+def _index_bytes(k: int, s: int, by_receiver: bool) -> int:
+    """The indices ahead of ``k`` sender-chosen rows of ``s``; none where the receiver knows them:
+    it chose them, or every row is sent (in order)."""
+    return 0 if by_receiver or k == s else k * _INDEX_BYTES
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -139,9 +156,10 @@ def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (data if data.storage_offset() % size == 0 else data.clone()).view(dtype)
 
 
-def _payload(rows: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """What goes over a slow link to one destination: the indices (int32, as bytes), then the rows."""
-    return torch.cat([indices, _bytes(rows)])
+def _payload(rows: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
+    """What goes over a slow link to one destination: the indices (int32, as bytes; None: the
+    receiver knows them), then the rows."""
+    return _bytes(rows) if indices is None else torch.cat([indices, _bytes(rows)])
 
 
 def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
@@ -156,16 +174,19 @@ def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, r
 class SparseHandle:
     """A sparse exchange in flight; :meth:`wait` writes it into the receiver's previous result.
 
-    ``x`` (``[W, P, s, d]``) goes whole to node-mates; ``rows`` (``[W, P, k, d]``, this rank's
-    rows ``selection.active`` in that order) with their indices to the other nodes, as values, or
-    with ``residual`` as the change since the receivers' copy, which they add (any dtype:
-    everything travels as bytes).
+    ``x`` (``[W, P, s, d]``) goes whole to node-mates; ``rows[j]`` (``[P, k, d]``) to each rank
+    ``j`` on another node, as values, or with ``residual`` as the change since the receivers'
+    copy, which they add (any dtype: everything travels as bytes). Chosen by the sender (the
+    default), the rows are this rank's ``selection.active`` in that order and travel with their
+    indices, which the receiver records in ``peers`` (group rank -> int64 indices) where given;
+    with ``by_receiver``, ``rows[j]`` are the rows at rank ``j``'s active tokens and are placed at
+    this rank's ``selection.active``.
     """
 
     def __init__(
         self,
         x: torch.Tensor,
-        rows: torch.Tensor,
+        rows: Rows,
         selection: Selection,
         level: SlowLevel,
         group: Any,
@@ -173,21 +194,31 @@ class SparseHandle:
         into: torch.Tensor,
         residual: bool = False,
         collective: bool = False,
+        by_receiver: bool = False,
+        peers: dict[int, torch.Tensor] | None = None,
     ) -> None:
         w, p, s, d = x.shape
         self._level, self._into = level, into
-        self._rows_dtype, self._residual = rows.dtype, residual
+        self._rows_dtype, self._residual = into.dtype, residual
+        self._by_receiver, self._active = by_receiver, selection.active
         self._full_bytes = x[0].numel() * x.element_size()
-        self._unit = _INDEX_BYTES + p * d * rows.element_size()  # one active row with its index
+        remote = next((j for j in range(w) if not level.fast(j)), None)
+        if remote is not None:
+            self._rows_dtype = rows[remote].dtype
+        self._row_bytes = p * d * self._rows_dtype.itemsize
+        self._tokens = s
         self._counts = selection.counts
+        self._peers = peers
         self._phase2 = None
         self._two_phase = two_phase
         self._placed = False  # wait() places the received rows once
         device = x.device
-        indices = _bytes(selection.active.to(torch.int32))  # the same for every destination
+        indices = None  # the same for every destination
+        if _index_bytes(selection.active.numel(), s, by_receiver):
+            indices = _bytes(selection.active.to(torch.int32))
         if not two_phase:
             inp = [_bytes(x[j]) if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
-            sizes = [self._size(j) for j in range(w)]
+            sizes = [self._bytes_from(j) for j in range(w)]
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
                 self._pending = flat.start_flat_all_to_all(torch.cat(inp), group, sizes, [t.numel() for t in inp])
                 self._received = None
@@ -206,14 +237,24 @@ class SparseHandle:
             torch.cat([_bytes(x[self._mates[l]])] + [_payload(rows[level.at(n, l)], indices) for n in self._others])
             for l in range(lanes)
         ]
+        lane = level.lane[level.me]
         self._phase1_out = [
-            torch.empty(self._full_bytes + len(self._others) * self._counts[m] * self._unit, dtype=torch.uint8, device=device)
+            torch.empty(self._full_bytes + sum(self._size(m, level.at(n, lane)) for n in self._others), dtype=torch.uint8, device=device)
             for m in self._mates
         ]
         self._pending = _post_uneven(self._phase1_out, inp, level.local_group, "sparse phase 1 (node)")
 
-    def _size(self, j: int) -> int:
-        return self._full_bytes if self._level.fast(j) else self._counts[j] * self._unit
+    def _rows(self, src: int, dst: int) -> int:
+        """How many rows group rank ``src`` sends ``dst`` over slow links (known on every rank)."""
+        return self._counts[dst if self._by_receiver else src]
+
+    def _size(self, src: int, dst: int) -> int:
+        """The bytes of what ``src`` sends ``dst`` over slow links: the rows, their indices ahead."""
+        k = self._rows(src, dst)
+        return k * self._row_bytes + _index_bytes(k, self._tokens, self._by_receiver)
+
+    def _bytes_from(self, j: int) -> int:
+        return self._full_bytes if self._level.fast(j) else self._size(j, self._level.me)
 
     def advance(self) -> bool:
         """Post the slow phase once the node phase is in (a stream wait on NCCL/XCCL)."""
@@ -227,11 +268,12 @@ class SparseHandle:
         # From each node-mate: its chunk for me, then its active rows for my lane on each other node.
         self._full = {}
         forward: dict[int, list[torch.Tensor]] = {n: [] for n in self._others}
+        lane = level.lane[level.me]
         for mate, buf in zip(self._mates, self._phase1_out):
             self._full[mate] = buf[:full]
-            k = self._counts[mate] * self._unit
-            for i, n in enumerate(self._others):
-                forward[n].append(buf[full + i * k : full + (i + 1) * k])
+            sizes = [self._size(mate, level.at(n, lane)) for n in self._others]
+            for n, piece in zip(self._others, buf[full:].split(sizes)):
+                forward[n].append(piece)
         empty = self._phase1_out[0][:0]
         inp, out, self._sources = [], [], []
         for n in range(len(self._others) + 1):
@@ -242,7 +284,7 @@ class SparseHandle:
             srcs = [level.at(n, level.lane[m]) for m in self._mates]
             self._sources.append((srcs, len(out)))
             inp.append(torch.cat(forward[n]))
-            out.append(torch.empty(sum(self._counts[j] for j in srcs) * self._unit, dtype=torch.uint8, device=empty.device))
+            out.append(torch.empty(sum(self._size(j, level.me) for j in srcs), dtype=torch.uint8, device=empty.device))
         self._phase2_out = out
         self._phase2 = _post_uneven(out, inp, level.cross_group, "sparse phase 2 (across nodes)")
 
@@ -266,7 +308,7 @@ class SparseHandle:
         for j, piece in self._full.items():
             self._place(into, j, piece)
         for srcs, slot in self._sources:
-            for j, piece in zip(srcs, self._phase2_out[slot].split([self._counts[j] * self._unit for j in srcs])):
+            for j, piece in zip(srcs, self._phase2_out[slot].split([self._size(j, self._level.me) for j in srcs])):
                 self._place(into, j, piece)
         return into
 
@@ -275,9 +317,17 @@ class SparseHandle:
         if self._level.fast(j):
             into[j].view(-1).view(torch.uint8).copy_(piece)
             return
-        k = self._counts[j]
-        active = _view(piece[: k * _INDEX_BYTES], torch.int32).long()
-        rows = _view(piece[k * _INDEX_BYTES :], self._rows_dtype).view(p, k, d)
+        k = self._rows(j, self._level.me)
+        index = _index_bytes(k, s, self._by_receiver)
+        if self._by_receiver:
+            active = self._active
+        elif k == s:
+            active = torch.arange(s, device=into.device)
+        else:
+            active = _view(piece[:index], torch.int32).long()
+        if self._peers is not None:
+            self._peers[j] = active
+        rows = _view(piece[index:], self._rows_dtype).view(p, k, d)
         if self._residual:
             into[j].index_add_(1, active, rows.to(into.dtype))
         else:

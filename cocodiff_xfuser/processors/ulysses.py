@@ -54,42 +54,27 @@ class PendingExchange:
         self._label = label
         self._nbytes = sum(t.numel() * t.element_size() for t in tensors)
         padding.count(self._nbytes, heads, h)
-        self._name = "v" if layer is not None else "qk"
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
+        self._covered = None
         if v_major is None and (layer is None or active.slow_level is None or active.v_major_off):
             # Exact: the head blocks are written once, in the order the chosen exchange sends.
-            self.v_major = None
-            self._calibration = commstats.calibrating(label, self._nbytes)
             self._handle = active.start_heads(tensors, label)
-            self._exchanged = self._handle.wait() if self._calibration else None
-            return
-        # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
-        stacked = comm_layout.heads(tensors, (world,), (0,))
-        bookkeeping = time.perf_counter()
-        if layer is not None and active.slow_level is not None and not active.v_major_off:
-            v_major = layer.begin(stacked)
-        self.v_major = v_major if v_major is not None and v_major.covers(self._name, stacked) else None
-        if self.v_major is not None and self.v_major.active is not None:
-            if self.v_major.selection is None:  # set by V's exchange; Q/K's reuse it
-                step = self.v_major
-                step.selection = Selection.fixed(step.active, world) if step.fixed else agree_counts(step.active, active.group)
-            rows, residual = self.v_major.rows(self._name, stacked)
-            commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-            into = self.v_major.caches.received[self._name]
-            self._calibration = False
-            planes = len(tensors) * b * (h // world)  # [W, n, b, h/W, s, d] as [W, planes, s, d]
-            self._handle = active.start_sparse(
-                stacked.view(world, planes, s, d), rows.view(world, planes, rows.shape[4], d), self.v_major.selection,
-                into.view(world, planes, s, d), label, residual, of_v=layer is not None,
-            )
         else:
-            if self.v_major is not None:
-                self.v_major.rows(self._name, stacked)
-            commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-            self._calibration = commstats.calibrating(label, self._nbytes)
-            self._handle = active.start(stacked, label)
-        self._exchanged = self._handle.wait() if self._calibration else None
+            # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
+            stacked = comm_layout.heads(tensors, (world,), (0,))
+            if layer is not None and active.slow_level is not None and not active.v_major_off:
+                bookkeeping = time.perf_counter()
+                v_major = layer.begin(stacked)
+                commstats.count_v_major_time(time.perf_counter() - bookkeeping)
+            self._covered = _Covered.start(stacked, "v" if layer is not None else "qk", label, v_major)
+            self._handle = active.start(stacked, label) if self._covered is None else self._covered.handle
+        self.v_major = None if self._covered is None else v_major
+        self._calibration = commstats.calibrating(label, self._nbytes)
+        self._exchanged = self._result() if self._calibration else None
+
+    def _result(self) -> torch.Tensor:
+        return self._handle.wait() if self._covered is None else self._covered.wait()
 
     def advance(self) -> None:
         """Launch the exchange's next phase (the slow links; on NCCL/XCCL without blocking the host)."""
@@ -98,14 +83,55 @@ class PendingExchange:
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         waited = time.perf_counter()
-        exchanged = self._handle.wait() if self._exchanged is None else self._exchanged
-        if self.v_major is not None:
-            exchanged = exchanged.view(self._stacked_shape)
-            self.v_major.caches.received[self._name] = exchanged
+        exchanged = self._result() if self._exchanged is None else self._exchanged
         if commstats.enabled():
             detect().synchronize(exchanged.device)
             commstats.record_async(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
         return comm_layout.sequence(exchanged.view(self._stacked_shape), self._n)
+
+
+class _Covered:
+    """An exchange that a V-Major decision covers: ``name`` ('v', 'qk' or 'o') of destination-major
+    ``[W, n, b, h/W, s, d]`` data, exact at a full step, else sparse over slow links into the
+    layer's cache of its previous result, which its result becomes."""
+
+    @classmethod
+    def start(cls, stacked: torch.Tensor, name: str, label: str, step: vmajor.Step | None) -> _Covered | None:
+        """The exchange started, or None where ``step`` does not cover it (the caller's exact exchange)."""
+        if step is None or not step.covers(name, stacked):
+            return None
+        return cls(stacked, name, label, step)
+
+    def __init__(self, stacked: torch.Tensor, name: str, label: str, step: vmajor.Step) -> None:
+        active = backend.active()
+        self._name, self._step, self._shape = name, step, stacked.shape
+        bookkeeping = time.perf_counter()
+        if step.active is None:
+            step.rows(name, stacked)
+            commstats.count_v_major_time(time.perf_counter() - bookkeeping)
+            self.handle = active.start(stacked, label)
+            return
+        world, n, b, heads, s, d = stacked.shape
+        if step.selection is None:  # set by V's exchange; Q/K's and the output's reuse it
+            step.selection = Selection.fixed(step.active, world) if step.fixed else agree_counts(step.active, active.group)
+        rows, residual = step.rows(name, stacked)
+        commstats.count_v_major_time(time.perf_counter() - bookkeeping)
+        commstats.count_v_major_sparse(name)
+        planes = n * b * heads  # [W, n, b, h/W, s, d] as [W, planes, s, d]
+        if name == "o":  # the receivers' tokens, a different number per receiver where counts are agreed
+            rows = {j: r.reshape(planes, r.shape[3], d) for j, r in rows.items()}
+        else:
+            rows = rows.view(world, planes, rows.shape[4], d)
+        into = step.caches.received[name].view(world, planes, s, d)
+        self.handle = active.start_sparse(
+            stacked.view(world, planes, s, d), rows, step.selection, into, label, residual,
+            of_v=name == "v", by_receiver=name == "o", peers=step.peers if name == "v" else None,
+        )
+
+    def wait(self) -> torch.Tensor:
+        exchanged = self.handle.wait().view(self._shape)
+        self._step.caches.received[self._name] = exchanged
+        return exchanged
 
 
 def start_input_exchange(
@@ -160,6 +186,7 @@ def attention(
     else:  # the query carries the joint tokens: two exchanges, both in flight together
         pending_q, pending_k = start_input_exchange(query, label="q"), start_input_exchange(key, label="k")
         (query,), (key,) = pending_q.wait(), pending_k.wait()
+    v_major = value.v_major
     (value,) = value.wait()
     key, value = padding.keep_keys(key, value)
     key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
@@ -170,18 +197,25 @@ def attention(
     else:
         out = ring_attn(attention_function, query, key, value, **kwargs)
     padding.count(out.numel() * out.element_size(), heads, out.shape[1] * world)
-    return output_exchange(out)[:, :heads]
+    return output_exchange(out, v_major)[:, :heads]
 
 
-def output_exchange(out: torch.Tensor) -> torch.Tensor:
+def output_exchange(out: torch.Tensor, v_major: vmajor.Step | None = None) -> torch.Tensor:
     """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``.
 
     The layout changes of xfuser's ``_ft_c_output_all_to_all``; the exchange goes to the backend
-    directly, like the input exchanges.
+    directly, like the input exchanges. Under V-Major's scope qkvo, the layer's decision
+    ``v_major`` covers it: rows are then destination-major ``[W, 1, b, h/W, s, d]``.
     """
     active = backend.active()
     world = active.world_size
     b, h, s, d = out.shape
+    if v_major is not None:
+        stacked = out.view(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
+        covered = _Covered.start(stacked, "o", "out", v_major)
+        if covered is not None:
+            exchanged = commstats.timed_exchange(lambda _: covered.wait(), stacked)
+            return exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d)
     exchanged = commstats.timed_exchange(lambda t: active.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
     return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)
 

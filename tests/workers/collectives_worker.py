@@ -586,9 +586,20 @@ def case_sparse() -> None:
             want = _sparse_expected(x, prev, masks, level, group)
             rows = x.index_select(2, sel.active)
             for two_phase, collective in ROUTINGS:
-                into = prev.clone()
-                got = sparse.SparseHandle(x, rows, sel, level, group, two_phase, into, collective=collective).wait()
+                into, peers = prev.clone(), {}
+                got = sparse.SparseHandle(x, rows, sel, level, group, two_phase, into, collective=collective, peers=peers).wait()
                 check(got is into and same_bits(got, want), f"{spec} {p, s, d} two_phase={two_phase} collective={collective}: wrong rows")
+                remote = [j for j in range(WORLD) if not level.fast(j)]
+                check(sorted(peers) == remote and all(same_bits(peers[j], masks[j].nonzero().flatten()) for j in remote),
+                      f"{spec} two_phase={two_phase} collective={collective}: the senders' indices recorded")
+                # Chosen by the receiver (the output exchange): each rank on another node gets the
+                # rows at its own active tokens, as the indices it sent; no index travels.
+                by_receiver = {j: x[j].index_select(1, peers[j]) for j in remote}
+                got = sparse.SparseHandle(x, by_receiver, sel, level, group, two_phase, prev.clone(), collective=collective,
+                                          by_receiver=True).wait()
+                mine = masks[RANK].expand(WORLD, s)
+                check(same_bits(got, _sparse_expected(x, prev, mine, level, group)),
+                      f"{spec} {p, s, d} two_phase={two_phase} collective={collective}: rows chosen by the receiver")
             # Fixed counts (what top-k, schedule and budget send): no agreement, rows in any order.
             k = (s + 2) // 3
             active = torch.randperm(s, generator=torch.Generator().manual_seed(seed * 11 + RANK))[:k]
@@ -617,7 +628,10 @@ def case_sparse() -> None:
         remote = sum(not level.fast(j) for j in range(WORLD))
         k = int(mask.sum())
         size = x.element_size()
-        check(exact == remote * s * p * d * size and slow == remote * k * (p * d * size + 4), f"{spec}: sent bytes")
+        index = 4 if k < s else 0  # every row goes in order, without indices
+        check(exact == remote * s * p * d * size and slow == remote * k * (p * d * size + index), f"{spec}: sent bytes")
+        slow, _ = sparse.sent_bytes(x, {j: rows[j] for j in range(WORLD) if not level.fast(j)}, level, by_receiver=True)
+        check(slow == remote * k * p * d * size, f"{spec}: sent bytes without indices")
     flat = sparse.build_slow_levels(Topology.parse(f"1x{WORLD}"), groups)[tuple(range(WORLD))]
     check(not flat.exists, "one node: no slow level")
 
@@ -633,7 +647,7 @@ def case_v_major_layer() -> None:
     shape = (WORLD, 1, 2, 2, 24, 8)  # [W, n, b, h/W, s, d]
     planes = shape[1] * shape[2] * shape[3]
     cases = (("v", "threshold", False, "none"), ("qkv", "top-k", True, "none"), ("v", "threshold", True, "bfloat16"),
-             ("qkv", "budget", True, "bfloat16"))
+             ("qkv", "budget", True, "bfloat16"), ("qkvo", "threshold", False, "none"), ("qkvo", "budget", True, "bfloat16"))
     for scope, policy, two_phase, residual in cases:
         settings = vmajor.Settings.load(policy=policy, threshold=0.1, fraction=0.25, error=0.2, warmup_steps=1, scope=scope,
                                         residual_dtype=residual)
@@ -650,16 +664,28 @@ def case_v_major_layer() -> None:
                 step = layer.begin(v)
                 cache = step.caches
                 exact = flat_all_to_all(v.flatten(), group).view(shape)
+                o = v * 3 + 1  # the attention output, destination-major like V
+                exact_o = flat_all_to_all(o.flatten(), group).view(shape)
                 if step.active is None:
-                    # budget: exact until the first step's measurement is agreed, at the next tick.
-                    last_full = max(settings.warmup_steps, 1) + (policy == "budget")
-                    check(t < last_full, f"a full exchange at step {t}: only the first and warm-up steps")
+                    # Exact: the first step; as values also the warm-up and, for budget, until the
+                    # first step's measurement is agreed, at the next tick (with residuals those
+                    # send every token as its residual).
+                    last_full = 1 if residual != "none" else max(settings.warmup_steps, 1) + (policy == "budget")
+                    check(t < last_full, f"an exact exchange at step {t}: only the first, warm-up and unmeasured steps")
                     step.rows("v", v)
                     check(same_bits(cache.reference["v"], v), "a full exchange sends V itself")
                     cache.received["v"] = exact
+                    if step.covers("o", o):
+                        step.rows("o", o)
+                        cache.received["o"] = exact_o
                     continue
-                check(t >= settings.warmup_steps, "no sparse exchange in warm-up")
-                if policy == "budget":
+                every = step.active.numel() == shape[4]
+                check(t >= settings.warmup_steps or every, "every token in warm-up")
+                if every and residual != "none":
+                    check(same_bits(step.active, torch.arange(shape[4])), "every token in order (no index travels)")
+                if policy == "budget" and clock.shares is None:
+                    check(every, "budget: every token until the first measurement is agreed")
+                elif policy == "budget":
                     check(_agreed(clock.shares) and step.active.numel() == math.ceil(clock.shares[0] * shape[4]),
                           f"budget: the agreed share of the tokens {clock.shares}")
                     budget_counts.append(step.active.numel())
@@ -677,10 +703,25 @@ def case_v_major_layer() -> None:
                       "rows travel as the residual dtype says")
                 into = cache.received["v"].view(WORLD, -1, shape[4], shape[5])
                 got = sparse.SparseHandle(v.view(WORLD, -1, shape[4], shape[5]), rows.view(WORLD, planes, rows.shape[4], shape[5]),
-                                          sel, level, group, two_phase, into, is_residual).wait()
+                                          sel, level, group, two_phase, into, is_residual, peers=step.peers).wait()
                 from_refs = flat_all_to_all(cache.reference["v"].flatten(), group).view(shape)
                 fast = torch.tensor([level.fast(j) for j in range(WORLD)])[:, None, None, None, None, None]
                 check(same_bits(got.view(shape), torch.where(fast, exact, from_refs)), f"{scope} step {t}: receivers' cache")
+                if step.covers("o", o):
+                    # The output: each rank on another node gets its own active tokens.
+                    before = cache.received["o"]
+                    rows_o, _ = step.rows("o", o)
+                    check(sorted(rows_o) == [j for j in range(WORLD) if not level.fast(j)], "the output's rows go to other nodes")
+                    got_o = sparse.SparseHandle(o.view(WORLD, planes, shape[4], shape[5]),
+                                                {j: r.reshape(planes, -1, shape[5]) for j, r in rows_o.items()}, sel, level, group,
+                                                two_phase, before.clone().view(WORLD, planes, shape[4], shape[5]), is_residual,
+                                                by_receiver=True).wait().view(shape)
+                    if residual == "none":  # my active tokens are fresh, the others what I held
+                        want_o = torch.where(sent[:, None], exact_o, before)
+                    else:  # what the senders' references say I hold
+                        want_o = flat_all_to_all(cache.reference["o"].flatten(), group).view(shape)
+                    check(same_bits(got_o, torch.where(fast, exact_o, want_o)), f"{scope} step {t}: the output's cache")
+                    cache.received["o"] = got_o
                 ref = cache.reference["v"]
                 change = torch.linalg.vector_norm(v - ref, dim=(0, 1, 3, 5)) / torch.linalg.vector_norm(ref, dim=(0, 1, 3, 5))
                 # The bound holds for what was left out; residuals leave their rounding error behind.
@@ -688,7 +729,8 @@ def case_v_major_layer() -> None:
                     check(bool((change[:, ~sent] <= 0.1).all()), f"step {t}: a cached token drifted past the threshold")
                 sent_error = 0.0 if residual == "none" else 0.01
                 check(bool((change[:, sent] <= sent_error).all()), "active tokens are sent (up to the residual's rounding)")
-            check(step.covers("qk", v) == (scope == "qkv"), "scope decides whether Q/K follow V")
+            check(step.covers("qk", v) == (scope != "v") and step.covers("o", v) == (scope == "qkvo"),
+                  "scope decides whether Q/K and the output follow V")
         if policy == "budget":
             check(any(0 < k < shape[4] for k in budget_counts), f"budget: some tokens sent, some cached: {budget_counts}")
     tiny = vmajor.Settings.load(budget_mib=0.001)
