@@ -107,7 +107,9 @@ class CocodiffBackend:
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
         self._slow_share = _slow_link_share(self.topology, dist.get_process_group_ranks(group), self.rank)
-        self.slow_level = self._slow_level(groups) if agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)") else None
+        slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
+        v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
+        self.slow_level = self._slow_level(groups, "V-Major" if v_major else "fp8-slow") if v_major or slow_only else None
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
         # --cocodiff-v-major auto: V's sparse exchanges so far, and whether the one timed against
@@ -118,12 +120,13 @@ class CocodiffBackend:
         self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
         self._decisions_file = self._load_decisions()
 
-    def _slow_level(self, groups: list[list[int]]) -> sparse.SlowLevel | None:
-        """Where V-Major's sparse exchanges cross nodes (collective: builds their sub-groups)."""
+    def _slow_level(self, groups: list[list[int]], user: str) -> sparse.SlowLevel | None:
+        """Where the sparse exchanges of ``user`` (V-Major, or fp8-slow) cross nodes (collective:
+        builds their sub-groups)."""
         level = sparse.build_slow_levels(self.topology, groups)[tuple(sorted(dist.get_process_group_ranks(self.group)))]
         if not level.exists:
-            logger.warning("cocodiff: V-Major off: the Ulysses group has no ranks on other nodes (topology %s)", self.topology)
-            commstats.count_fallback("v-major: no slow level")
+            logger.warning("cocodiff: %s off: the Ulysses group has no ranks on other nodes (topology %s)", user, self.topology)
+            commstats.count_fallback(f"{user.lower()}: no slow level")
             return None
         return level
 
@@ -183,9 +186,9 @@ class CocodiffBackend:
 
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
         """``x`` (W equal chunks along dim 0, rows of its last dim) packed for ``--cocodiff-compress
-        fp8``, and how to unpack the result; None when the exchanges are not compressed (or ``x``
+        fp8``, and how to unpack the result; None when the exchanges are not compressed so (or ``x``
         is already narrow: xfuser's own fp8 communication)."""
-        if self.options.compress == "none" or x.dtype not in compress.WIDE:
+        if self.options.compress != "fp8" or x.dtype not in compress.WIDE:
             return None
         d = x.shape[-1]
         rows = x.numel() // (self.world_size * d)
@@ -207,11 +210,28 @@ class CocodiffBackend:
     def _abort(self, label: str, algorithm: str, error: RuntimeError) -> NoReturn:
         faults.abort(self.rank, label, self._where(algorithm), self.options.timeout_s, error)
 
+    def _slow_fp8(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is exchanged as fp8 over the slow level only (``--cocodiff-compress fp8-slow``)."""
+        return self.options.compress == "fp8-slow" and self.slow_level is not None and x.dtype in compress.WIDE
+
+    def _start_slow_fp8(self, x: torch.Tensor, label: str) -> _Reshaping:
+        """Start the exchange of ``x`` (W equal destination-major chunks of rows of its last dim):
+        node-mates get the values, ranks on other nodes every row in fp8 with its scale, through
+        the sparse exchange's routings. The result has the shape ``[W, 1, rows, d]``."""
+        world, d = self.world_size, x.shape[-1]
+        chunks = x.reshape(world, 1, -1, d)
+        rows = {j: compress.pack_rows(chunks[j]) for j in range(world) if not self.slow_level.fast(j)}
+        every = sparse.Selection.fixed(torch.arange(chunks.shape[2], device=x.device), world)
+        return self.start_sparse(chunks, rows, every, torch.empty_like(chunks), label, residual=False,
+                                 decode=lambda packed: compress.unpack_rows(packed, x.dtype), kind="fp8-slow")
+
     # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
     # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
     @torch.compiler.disable
     def start(self, x: torch.Tensor, label: str) -> _Reshaping:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
+        if self._slow_fp8(x):
+            return self._start_slow_fp8(x, label)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
         algorithm = "autotune"
@@ -228,11 +248,13 @@ class CocodiffBackend:
         """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
         chosen exchange sends (:func:`cocodiff_xfuser.comm.layout.heads`)."""
+        if self._slow_fp8(tensors[0]):
+            return self._start_slow_fp8(layout.heads(tensors, (self.world_size,), (0,)), label)
         b, h, s, d = tensors[0].shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
         exact_bytes = math.prod(shape) * tensors[0].element_size()
         # What the choice needs is the size, dtype and device; a real buffer only to measure with.
-        if self.options.compress == "none" or tensors[0].dtype not in compress.WIDE:
+        if self.options.compress != "fp8" or tensors[0].dtype not in compress.WIDE:
             numel, dtype = math.prod(shape), tensors[0].dtype
         else:
             numel, dtype = self.world_size * compress.packed_bytes(math.prod(shape[1:-1]), d), torch.uint8
@@ -259,22 +281,24 @@ class CocodiffBackend:
     def start_sparse(
         self, x: torch.Tensor, rows: sparse.Rows, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
         of_v: bool = False, by_receiver: bool = False, peers: dict[int, torch.Tensor] | None = None,
+        decode: Callable[[torch.Tensor], torch.Tensor] | None = None, kind: str = "v-major",
     ) -> _Reshaping:
         """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
         other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
-        add; ``by_receiver`` and ``peers``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s).
+        add; ``by_receiver``, ``peers`` and ``decode``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s;
+        ``kind`` names it in what ran: ``fp8-slow`` sends every row packed).
         Routed like the exact exchange of the same size: two phases where the autotune chose TAPA,
         the backend's all-to-all with split sizes where it chose ``flat``, else one point-to-point batch.
 
         ``of_v``: V's exchange of a layer. Under ``--cocodiff-v-major auto`` (unless ``if_slower:
         keep``) the ``RECHECK_USES``-th of these is first timed against the exact exchange
         (:meth:`_check_sparse`)."""
-        algorithm = "v-major"
+        algorithm = kind
         try:
             exact_algorithm = self._choose(x.flatten())
             two_phase = self.slow_level.regular and exact_algorithm == "hierarchical"
             collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
-            algorithm = f"v-major {'two-phase' if two_phase else 'one-phase'}"
+            algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
             settings = self.options.v_major
             if of_v and settings.min_psnr_db is not None and settings.if_slower == "stop":
                 self._sparse_v += 1
@@ -283,7 +307,7 @@ class CocodiffBackend:
             slow, exact = sparse.sent_bytes(x, rows, self.slow_level, by_receiver)
             commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
             exchange = sparse.SparseHandle(
-                x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective, by_receiver, peers
+                x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective, by_receiver, peers, decode
             )
             handle = _Reshaping(self, exchange, into.shape, label, algorithm)
         except RuntimeError as e:
@@ -320,6 +344,8 @@ class CocodiffBackend:
     @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
+        if self._slow_fp8(x):
+            return self._start_slow_fp8(x, label).wait().reshape(x.shape)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
         algorithm = "autotune"
@@ -336,7 +362,7 @@ class CocodiffBackend:
         return (
             f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
             f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
-            f"V-Major {self.options.v_major.describe() if self.slow_level else 'off'}, "
+            f"V-Major {self.options.v_major.describe() if self.slow_level and self.options.v_major else 'off'}, "
             f"compression {self.options.compress}, "
             f"timeout {self.options.timeout_s:g} s"
         )

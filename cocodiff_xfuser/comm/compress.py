@@ -9,6 +9,11 @@ on every link, fast ones included: it is one of the points V-Major is measured a
 Each destination's chunk is packed as its fp8 values followed by its scales, so the packed
 buffer is again W equal chunks in the same memory order: any all-to-all algorithm, TAPA's phases
 included, moves it unchanged.
+
+``--cocodiff-compress fp8-slow`` packs only what crosses the slow level: node-mates get the exact
+values, ranks on other nodes every row as fp8 with its scale (:func:`pack_rows`), through the
+routings of V-Major's sparse exchange (:mod:`.sparse`: one phase, or two composed with TAPA, whose
+slow phase carries only packed rows). No error feedback: each step's rounding is lost.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import torch
 
 #: Values of ``--cocodiff-compress``.
-SETTINGS = ("none", "fp8")
+SETTINGS = ("none", "fp8", "fp8-slow")
 FP8 = torch.float8_e4m3fn
 #: The dtypes packed (narrower data, xfuser's own fp8 communication, travels as it is).
 WIDE = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,3 +51,19 @@ def unpack(packed: torch.Tensor, rows: int, d: int, dtype: torch.dtype) -> torch
 def packed_bytes(rows: int, d: int) -> int:
     """Bytes of one packed chunk of ``rows`` rows of ``d`` channels."""
     return rows * (d + _SCALE_BYTES)
+
+
+def pack_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``[..., d]`` as ``[..., d + 4]`` bytes: each row's fp8 values, then its float32 scale."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / _MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (x.float() / scale).to(FP8)
+    return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def unpack_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`pack_rows` (up to fp8's rounding), in ``dtype``."""
+    d = packed.shape[-1] - _SCALE_BYTES
+    values = packed[..., :d].contiguous().view(FP8)
+    scale = packed[..., d:].contiguous().view(torch.float32)
+    return (values.float() * scale).to(dtype)

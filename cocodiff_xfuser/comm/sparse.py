@@ -37,7 +37,7 @@ on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,8 @@ class SparseHandle:
     default), the rows are this rank's ``selection.active`` in that order and travel with their
     indices, which the receiver records in ``peers`` (group rank -> int64 indices) where given;
     with ``by_receiver``, ``rows[j]`` are the rows at rank ``j``'s active tokens and are placed at
-    this rank's ``selection.active``.
+    this rank's ``selection.active``. ``decode`` turns received rows (``[P, k, *]`` in their
+    dtype) into values (``[P, k, d]``) before they are placed (packed fp8 rows, for example).
     """
 
     def __init__(
@@ -196,18 +197,21 @@ class SparseHandle:
         collective: bool = False,
         by_receiver: bool = False,
         peers: dict[int, torch.Tensor] | None = None,
+        decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         w, p, s, d = x.shape
         self._level, self._into = level, into
-        self._rows_dtype, self._residual = into.dtype, residual
+        self._residual = residual
         self._by_receiver, self._active = by_receiver, selection.active
         self._full_bytes = x[0].numel() * x.element_size()
         remote = next((j for j in range(w) if not level.fast(j)), None)
-        if remote is not None:
-            self._rows_dtype = rows[remote].dtype
-        self._row_bytes = p * d * self._rows_dtype.itemsize
+        sample = x if remote is None else rows[remote]  # rows as they travel: [P, k, d'] in their dtype
+        self._rows_dtype = sample.dtype
+        self._width = sample.shape[-1]  # d, or what an encoded row takes
+        self._row_bytes = p * self._width * sample.element_size()
         self._tokens = s
         self._counts = selection.counts
+        self._decode = decode
         self._peers = peers
         self._phase2 = None
         self._two_phase = two_phase
@@ -327,8 +331,12 @@ class SparseHandle:
             active = _view(piece[:index], torch.int32).long()
         if self._peers is not None:
             self._peers[j] = active
-        rows = _view(piece[index:], self._rows_dtype).view(p, k, d)
-        if self._residual:
+        rows = _view(piece[index:], self._rows_dtype).view(p, k, self._width)
+        if self._decode is not None:
+            rows = self._decode(rows)
+        if k == s and not self._by_receiver:  # every row, in order
+            into[j].add_(rows.to(into.dtype)) if self._residual else into[j].copy_(rows)
+        elif self._residual:
             into[j].index_add_(1, active, rows.to(into.dtype))
         else:
             into[j].index_copy_(1, active, rows)

@@ -251,17 +251,22 @@ V_MAJOR_SWEEP = {
 BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "float8_e4m3fn"}
                 for e in (0.03, 0.05, 0.1, 0.15, 0.2, 0.3)}
 #: ``--sweep frontier``: V-Major against the peers' compression of the same traffic, one byte counter:
-#: fp8 on every link with a scale per token and head (xDiT's and cache-dit's fp8 Ulysses traffic,
-#: ``--cocodiff-compress fp8``), and every token's change since the receivers' copy with error
-#: feedback on the slow level (CompactFusion's idea: V-Major sending every token as residuals).
+#: fp8 with a scale per token and head on every link (xDiT's and cache-dit's fp8 Ulysses traffic,
+#: ``--cocodiff-compress fp8``) and on the slow level only (``fp8-slow``), and every token's change
+#: since the receivers' copy with error feedback on the slow level (CompactFusion's idea: V-Major
+#: sending every token as residuals).
 FRONTIER_SWEEP = {
     "fp8 every link": {"compress": "fp8"},
-    "all tokens fp8 residuals": {"policy": "top-k", "fraction": 1.0, "residual_dtype": "float8_e4m3fn"},
-    "all tokens bf16 residuals": {"policy": "top-k", "fraction": 1.0, "residual_dtype": "bfloat16"},
-    **{f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "float8_e4m3fn"} for e in (0.03, 0.05, 0.1)},
-    "budget 0.05 values": {"policy": "budget", "error": 0.05},
+    "fp8 slow level": {"compress": "fp8-slow"},
+    **{f"all tokens {dtype} residuals{'' if scope == 'qkv' else ' ' + scope}": {
+        "policy": "top-k", "fraction": 1.0, "scope": scope, "residual_dtype": full}
+       for dtype, full in (("fp8", "float8_e4m3fn"), ("bf16", "bfloat16")) for scope in ("qkv", "qkvo")},
+    **{f"budget {e:g}": {"policy": "budget", "error": e, "scope": "qkv", "residual_dtype": "float8_e4m3fn"} for e in (0.03, 0.05, 0.1)},
+    **{f"budget {e:g} qkvo": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "float8_e4m3fn"}
+       for e in (0.01, 0.02, 0.03, 0.05)},
+    "budget 0.05 values": {"policy": "budget", "error": 0.05, "scope": "qkv"},
     "budget 0.05 scope v": {"policy": "budget", "error": 0.05, "scope": "v", "residual_dtype": "float8_e4m3fn"},
-    "threshold 0.1 fp8": {"policy": "threshold", "threshold": 0.1, "residual_dtype": "float8_e4m3fn"},
+    "threshold 0.1 fp8": {"policy": "threshold", "threshold": 0.1, "scope": "qkv", "residual_dtype": "float8_e4m3fn"},
 }
 SWEEPS = {"v-major": V_MAJOR_SWEEP, "v-major-budget": BUDGET_SWEEP, "frontier": FRONTIER_SWEEP}
 

@@ -81,8 +81,9 @@ def _add_backend_args(parser) -> None:
         "--cocodiff-compress",
         choices=compress.SETTINGS,
         default="none",
-        help="cocodiff: fp8: every Ulysses exchange in fp8 with one scale per token and head (lossy, on every link; "
-        "compared with V-Major in docs/benchmarks.md).",
+        help="cocodiff: fp8: every Ulysses exchange in fp8 with one scale per token and head (lossy, on every link); "
+        "fp8-slow: the same on links to other nodes only, node-mates get exact values (compared with V-Major in "
+        "docs/benchmarks.md).",
     )
     group.add_argument(
         "--cocodiff_v_major",

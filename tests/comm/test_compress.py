@@ -1,4 +1,5 @@
-"""The fp8 exchange format of ``--cocodiff-compress fp8``: one scale per row, W equal chunks."""
+"""The fp8 exchange formats of ``--cocodiff-compress``: one scale per row, W equal chunks (``fp8``),
+each row packed with its scale (``fp8-slow``, over the slow level only)."""
 
 import pytest
 import torch
@@ -25,6 +26,16 @@ def test_each_chunk_is_packed_on_its_own():
     assert torch.equal(compress.unpack(packed.flip(0), 5, 8, torch.float32), compress.unpack(packed, 5, 8, torch.float32).flip(0))
 
 
+def test_pack_rows_keeps_each_row_with_its_scale():
+    x = torch.randn(2, 7, 16) * torch.logspace(-3, 3, 7)[None, :, None]
+    packed = compress.pack_rows(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 7, 16 + 4)
+    y = compress.unpack_rows(packed, torch.float32)
+    assert float(((y - x).abs().amax(-1) / x.abs().amax(-1)).max()) <= 2**-4
+    # Rows moved with their bytes keep their values: what a sparse exchange does to them.
+    assert torch.equal(compress.unpack_rows(packed[:, [3, 1]], torch.float32), y[:, [3, 1]])
+
+
 def test_compression_and_v_major_exclude_each_other():
     with pytest.raises(ValueError, match="choose one"):
         backend.Options(compress="fp8", v_major=vmajor.Settings.load())
@@ -33,10 +44,12 @@ def test_compression_and_v_major_exclude_each_other():
 
 
 @pytest.mark.distributed
-def test_fp8_exchanges_run_in_a_job_and_cut_the_bytes(tmp_path):
-    """tiny-flux on 4 ranks (2x2) with V-First and --cocodiff-compress fp8 against stock in one job:
-    every cocodiff exchange ran packed (a quarter of fp32's bytes, plus the scales) and the images
-    stay close to stock's."""
+@pytest.mark.parametrize("setting", ["fp8", "fp8-slow"])
+def test_fp8_exchanges_run_in_a_job_and_cut_the_bytes(tmp_path, setting):
+    """tiny-flux on 4 ranks (2x2) with V-First and --cocodiff-compress fp8 / fp8-slow against stock
+    in one job: every cocodiff exchange ran packed over the slow level (a quarter of fp32's bytes,
+    plus the scales; fp8-slow through the sparse exchange's routings) and the images stay close to
+    stock's."""
     import json
 
     import numpy as np
@@ -49,11 +62,13 @@ def test_fp8_exchanges_run_in_a_job_and_cut_the_bytes(tmp_path):
 
     model = "tiny-flux"
     tiny_models.ensure_fixture(model)
-    run = Run(model=model, ulysses_degree=4, topology="2x2", v_first=True, extra=("--cocodiff_compress", "fp8"))
+    run = Run(model=model, ulysses_degree=4, topology="2x2", v_first=True, extra=("--cocodiff_compress", setting))
     launcher.torchrun(4, run.argv(("ulysses", "cocodiff"), tmp_path), timeout=600)
     where = {b: output_dir(tmp_path, tiny_models.SPECS[model].model_id, b) for b in ("ulysses", "cocodiff")}
     ran = json.loads((where["cocodiff"] / "result.json").read_text())["ran"]
     assert ran["v_first_calls"] > 0 and not ran["fallbacks"], ran
+    if setting == "fp8-slow":
+        assert ran["exchanges"] and all(name.startswith("fp8-slow ") for name in ran["exchanges"]), ran
     saved = 1 - ran["slow_link_bytes"] / ran["slow_link_bytes_exact"]
     assert 0.65 < saved < 0.75, ran  # fp32 -> fp8 with a 4-byte scale per 16-channel row: 1 - 20/64
     stock, ours = (np.load(where[b] / "images.npy") for b in ("ulysses", "cocodiff"))

@@ -620,6 +620,19 @@ def case_sparse() -> None:
             hv.advance()
             check(same_bits(hqk.wait(), _sparse_expected(x * 2, prev, masks, level, group)), f"{spec}: second in flight")
             check(same_bits(hv.wait(), want), f"{spec}: first in flight, waited last")
+            # Every row decoded on arrival (fp8-slow's packed rows): node-mates get the values.
+            from cocodiff_xfuser.comm import compress
+            if dtype == torch.float32:
+                every = sparse.Selection.fixed(torch.arange(s), WORLD)
+                packed = {j: compress.pack_rows(x[j]) for j in range(WORLD) if not level.fast(j)}
+                fast = torch.tensor([level.fast(j) for j in range(WORLD)])[:, None, None, None]
+                decoded = compress.unpack_rows(compress.pack_rows(x), dtype)
+                want_packed = torch.where(fast, flat_all_to_all(x.flatten(), group).view(x.shape),
+                                          flat_all_to_all(decoded.flatten(), group).view(x.shape))
+                for two_phase, collective in ROUTINGS:
+                    got = sparse.SparseHandle(x, packed, every, level, group, two_phase, torch.empty_like(x), collective=collective,
+                                              decode=lambda r: compress.unpack_rows(r, dtype)).wait()
+                    check(same_bits(got, want_packed), f"{spec} {p, s, d} packed rows, two_phase={two_phase} collective={collective}")
             # Everything active: the exact exchange, bitwise.
             every = sparse.Selection.fixed(torch.arange(s), WORLD)
             check(same_bits(sparse.SparseHandle(x, x, every, level, group, True, prev.clone()).wait(),
