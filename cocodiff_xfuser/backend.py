@@ -186,8 +186,8 @@ class CocodiffBackend:
 
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
         """``x`` (W equal chunks along dim 0, rows of its last dim) packed for ``--cocodiff-compress
-        fp8``, and how to unpack the result; None when the exchanges are not compressed so (or ``x``
-        is already narrow: xfuser's own fp8 communication)."""
+        fp8`` (every link), and how to unpack the result; None otherwise (or where ``x`` is already
+        narrow: xfuser's own fp8 communication)."""
         if self.options.compress != "fp8" or x.dtype not in compress.WIDE:
             return None
         d = x.shape[-1]

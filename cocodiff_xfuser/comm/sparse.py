@@ -49,6 +49,7 @@ from .topology import Topology
 #: mapping with the destinations on other nodes.
 Rows = Any
 
+
 @dataclass
 class SlowLevel:
     """One Ulysses group split by nodes: who shares this rank's node, and the groups of the two phases.
@@ -334,8 +335,11 @@ class SparseHandle:
         rows = _view(piece[index:], self._rows_dtype).view(p, k, self._width)
         if self._decode is not None:
             rows = self._decode(rows)
-        if k == s and not self._by_receiver:  # every row, in order
-            into[j].add_(rows.to(into.dtype)) if self._residual else into[j].copy_(rows)
+        every = k == s and not self._by_receiver  # every row, in order
+        if every and self._residual:
+            into[j].add_(rows.to(into.dtype))
+        elif every:
+            into[j].copy_(rows)
         elif self._residual:
             into[j].index_add_(1, active, rows.to(into.dtype))
         else:

@@ -249,7 +249,7 @@ V_MAJOR_SWEEP = {
 #: ``--sweep v-major-budget``: the ``budget`` policy as ``--cocodiff-v-major auto`` runs it (the shipped
 #: defaults otherwise) at several errors: the points of ``configs/policies/v-major-calibration.yaml``.
 BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "float8_e4m3fn"}
-                for e in (0.03, 0.05, 0.1, 0.15, 0.2, 0.3)}
+                for e in (0.01, 0.02, 0.03, 0.05, 0.1, 0.2)}
 #: ``--sweep frontier``: V-Major against the peers' compression of the same traffic, one byte counter:
 #: fp8 with a scale per token and head on every link (xDiT's and cache-dit's fp8 Ulysses traffic,
 #: ``--cocodiff-compress fp8``) and on the slow level only (``fp8-slow``), and every token's change
