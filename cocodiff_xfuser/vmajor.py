@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import order
+from cocodiff_xfuser.comm import order, sparse
 from cocodiff_xfuser.shipped import CONFIGS
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -348,10 +348,13 @@ class Layer:
             or (settings.policy == "budget" and clock.shares_now() is None)  # nothing measured yet
         ):
             k = s
+        residual = settings.residual
+        if k is not None and residual is not None and sparse.whole_is_smaller(k, s, _row_bytes(v, residual)):
+            k = s  # every token, without indices, is no more bytes
         exact = (
             reference is None
             or (settings.refresh_every and step % settings.refresh_every == 0)
-            or (k is not None and k >= s and settings.residual is None)  # every token as values: the exact exchange is smaller
+            or (k is not None and k >= s and residual is None)  # every token as values: the exact exchange is smaller
         )
         if exact:
             commstats.count_v_major(step, self.index, s, s)
@@ -407,6 +410,11 @@ def _share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> torch.
     left = ordered.sum() - torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])  # left out after sending k = 0..s
     k = (left > error**2 * v.float().square().sum()).sum()
     return k.float() / change.numel()
+
+
+def _row_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
+    """One token's row of V (``[W, 1, b, h/W, s, d]``) for one destination, in ``dtype``."""
+    return v.shape[2] * v.shape[3] * v.shape[5] * dtype.itemsize
 
 
 def _cache_bytes(v: torch.Tensor, settings: Settings) -> int:

@@ -17,6 +17,14 @@ from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run
 
 
+def test_every_row_goes_without_indices_where_that_is_no_more_bytes():
+    from cocodiff_xfuser.comm import sparse
+
+    # 32-byte rows (fp8) with a 4-byte index each: 89 of 100 rows take 3204 bytes, all 100 take 3200.
+    assert sparse.whole_is_smaller(89, 100, 32) and not sparse.whole_is_smaller(88, 100, 32)
+    assert sparse.whole_is_smaller(100, 100, 32) and not sparse.whole_is_smaller(0, 100, 32)
+
+
 def test_shipped_defaults_load_and_flags_override(tmp_path):
     settings = vmajor.Settings.load()
     assert settings.policy in vmajor.POLICIES and settings.scope in vmajor.SCOPES

@@ -137,6 +137,12 @@ def sent_bytes(x: torch.Tensor, rows: Rows, level: SlowLevel, by_receiver: bool 
     return sparse, len(remote) * x[0].numel() * x.element_size()
 
 
+def whole_is_smaller(k: int, s: int, row_bytes: int) -> bool:
+    """Whether sending all ``s`` rows (in order, no indices) takes no more bytes than ``k`` rows
+    with their indices."""
+    return k * (row_bytes + _INDEX_BYTES) >= s * row_bytes
+
+
 def _index_bytes(k: int, s: int, by_receiver: bool) -> int:
     """The indices ahead of ``k`` sender-chosen rows of ``s``; none where the receiver knows them:
     it chose them, or every row is sent (in order)."""
