@@ -306,6 +306,8 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
         keep = ("psnr_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
                 "slow_link_bytes_saved_fraction", "v_major_active_fraction", "step_s", "reference_step_s")
         rows.append({"name": name, "settings": knobs, **{key: report[key] for key in keep}})
+    for row in rows:
+        row["on_frontier"] = not any(_dominates(other, row) for other in rows)
     summary = {"model": run.model, "ulysses_degree": run.ulysses_degree, "topology": run.topology,
                "cases": len(cases), "steps": results["ulysses"]["steps"], "v_first_step_s": _step_s(results[V_FIRST]),
                "points": rows}
@@ -314,6 +316,13 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
     if sweep == "v-major-budget":
         write_calibration(summary, out / vmajor.CALIBRATION.name)
     return summary
+
+
+def _dominates(a: dict, b: dict) -> bool:
+    """Whether point ``a`` saves at least ``b``'s slow-link bytes at at least its PSNR, and beats it
+    in one of the two (the quality-per-byte frontier is the points nothing dominates)."""
+    ka, kb = (a["slow_link_bytes_saved_fraction"] or 0.0, a["psnr_db"]), (b["slow_link_bytes_saved_fraction"] or 0.0, b["psnr_db"])
+    return ka[0] >= kb[0] and ka[1] >= kb[1] and ka != kb
 
 
 def write_calibration(summary: dict, path: Path) -> None:
@@ -351,6 +360,10 @@ def _plot_sweep(summary: dict, path: Path) -> None:
                 continue
             ax.plot(saved, y, marker, label=row["name"])
             ax.annotate(row["name"], (saved, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    front = sorted((100 * (r["slow_link_bytes_saved_fraction"] or 0.0), min(r["psnr_db"], 80.0))
+                   for r in summary["points"] if r.get("on_frontier"))
+    if front:
+        axes[0].plot(*zip(*front), "-", color="grey", linewidth=0.8, zorder=0, label="frontier")
     axes[0].axhline(35, color="grey", linestyle=":", linewidth=1)
     axes[0].set(xlabel="slow-link bytes saved (%)", ylabel="PSNR vs stock Ulysses (dB)")
     reference = summary["points"][0]["reference_classifier_agreement"]
@@ -366,12 +379,14 @@ def _plot_sweep(summary: dict, path: Path) -> None:
 
 def format_sweep(summary: dict, out: Path) -> str:
     nan = float("nan")
-    lines = [f"{'setting':<28} {'PSNR dB':>8} {'worst':>7} {'SSIM':>7} {'MS-SSIM':>8} {'class.':>7} {'saved':>7} {'active':>7} {'step ms':>8}"]
+    lines = [f"{'setting':<31} {'PSNR dB':>8} {'worst':>7} {'SSIM':>7} {'MS-SSIM':>8} {'class.':>7} {'saved':>7} "
+             f"{'active':>7} {'step ms':>8}  frontier"]
     for r in summary["points"]:
         lines.append(
-            f"{r['name']:<28} {r['psnr_db']:8.2f} {r['min_psnr_db']:7.2f} {r['ssim']:7.4f} "
+            f"{r['name']:<31} {r['psnr_db']:8.2f} {r['min_psnr_db']:7.2f} {r['ssim']:7.4f} "
             f"{(r['ms_ssim'] or nan):8.4f} {(r['classifier_agreement'] or nan):7.2f} "
             f"{r['slow_link_bytes_saved_fraction']:7.1%} {(r['v_major_active_fraction'] or nan):7.1%} {r['step_s'] * 1e3:8.1f}"
+            f"  {'yes' if r.get('on_frontier') else ''}"
         )
     lines.append(f"V-First alone {summary['v_first_step_s'] * 1e3:.1f} ms per step; stock classifier agreement "
                  f"{summary['points'][0]['reference_classifier_agreement']}; JSON and plot in {out.resolve()}")

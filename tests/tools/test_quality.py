@@ -52,6 +52,16 @@ def test_sweep_points_are_backend_names():
     assert exact[0]["cocodiff_v_major_residual_dtype"] == "none" and "--cocodiff-v-major-error=0.05" in exact[1]
 
 
+def test_the_frontier_is_the_points_nothing_dominates():
+    def point(saved, psnr):
+        return {"slow_link_bytes_saved_fraction": saved, "psnr_db": psnr}
+
+    fp8, residuals, budget, worse = point(0.69, 43.8), point(0.70, 70.7), point(0.72, 46.5), point(0.58, 42.2)
+    assert quality._dominates(residuals, fp8) and quality._dominates(budget, worse)
+    assert not quality._dominates(budget, residuals) and not quality._dominates(residuals, budget)
+    assert not quality._dominates(fp8, fp8)  # a point does not dominate itself
+
+
 def _quality_json(tmp_path, prompts: str, *flags: str) -> dict:
     """``cocodiff quality --json`` on digits-flux, one seed per prompt, as a user runs it."""
     cocodiff = os.path.join(os.path.dirname(sys.executable), "cocodiff")
