@@ -36,6 +36,7 @@ on every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -132,9 +133,15 @@ def agree_counts(active: torch.Tensor, group: Any) -> Selection:
 def sent_bytes(x: torch.Tensor, rows: Rows, level: SlowLevel, by_receiver: bool = False) -> tuple[int, int]:
     """Bytes this rank's data sends to other nodes: (sparse: ``rows``, with their indices unless
     the receivers know them; exact)."""
-    remote = [j for j in range(x.shape[0]) if not level.fast(j)]
-    sparse = sum(rows[j].numel() * rows[j].element_size() + _index_bytes(rows[j].shape[1], x.shape[2], by_receiver) for j in remote)
-    return sparse, len(remote) * x[0].numel() * x.element_size()
+    w, p, s, d = x.shape
+    remote = [j for j in range(w) if not level.fast(j)]
+    shapes = [rows[j].shape for j in remote] if isinstance(rows, dict) else [rows.shape[1:]] * len(remote)
+    sparse = sum(math.prod(shape) * _itemsize(rows) + _index_bytes(shape[1], s, by_receiver) for shape in shapes)
+    return sparse, len(remote) * p * s * d * x.element_size()
+
+
+def _itemsize(rows: Rows) -> int:
+    return next(iter(rows.values())).element_size() if isinstance(rows, dict) else rows.element_size()
 
 
 def whole_is_smaller(k: int, s: int, row_bytes: int) -> bool:
@@ -159,8 +166,7 @@ _INDEX_BYTES = 4
 
 def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Received bytes as ``dtype`` (copied first where a relayed piece starts off its alignment)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    return (data if data.storage_offset() % size == 0 else data.clone()).view(dtype)
+    return (data if data.storage_offset() % dtype.itemsize == 0 else data.clone()).view(dtype)
 
 
 def _payload(rows: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
@@ -223,19 +229,25 @@ class SparseHandle:
         self._phase2 = None
         self._two_phase = two_phase
         self._placed = False  # wait() places the received rows once
+        self._in_place = False  # node-mates' chunks received straight into ``into``
         device = x.device
         indices = None  # the same for every destination
         if _index_bytes(selection.active.numel(), s, by_receiver):
             indices = _bytes(selection.active.to(torch.int32))
+        chunks = _bytes(x).view(w, -1).unbind(0)
         if not two_phase:
-            inp = [_bytes(x[j]) if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
+            inp = [chunks[j] if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
             sizes = [self._bytes_from(j) for j in range(w)]
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
                 self._pending = flat.start_flat_all_to_all(torch.cat(inp), group, sizes, [t.numel() for t in inp])
                 self._received = None
                 self._sizes = sizes
                 return
-            self._received = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+            # Node-mates' chunks land in place (all their rows are replaced); other nodes' rows apart.
+            self._in_place = into.is_contiguous()
+            placed = into.view(w, -1).view(torch.uint8).unbind(0) if self._in_place else None
+            self._received = [placed[j] if self._in_place and level.fast(j) else torch.empty(sizes[j], dtype=torch.uint8, device=device)
+                              for j in range(w)]
             self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
@@ -245,7 +257,7 @@ class SparseHandle:
         self._others = [n for n in range(nodes) if n != me_node]
         self._mates = [level.at(me_node, l) for l in range(lanes)]
         inp = [
-            torch.cat([_bytes(x[self._mates[l]])] + [_payload(rows[level.at(n, l)], indices) for n in self._others])
+            torch.cat([chunks[self._mates[l]]] + [_payload(rows[level.at(n, l)], indices) for n in self._others])
             for l in range(lanes)
         ]
         lane = level.lane[level.me]
@@ -326,7 +338,8 @@ class SparseHandle:
     def _place(self, into: torch.Tensor, j: int, piece: torch.Tensor) -> None:
         _, p, s, d = into.shape
         if self._level.fast(j):
-            into[j].view(-1).view(torch.uint8).copy_(piece)
+            if not self._in_place:
+                into[j].view(-1).view(torch.uint8).copy_(piece)
             return
         k = self._rows(j, self._level.me)
         index = _index_bytes(k, s, self._by_receiver)
