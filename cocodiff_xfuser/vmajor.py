@@ -67,9 +67,10 @@ DEFAULT_MIN_PSNR_DB = 38.0
 def error_for(min_psnr_db: float, path: Path = CALIBRATION) -> float:
     """The ``budget`` policy's ``error`` for a mean-PSNR target: on each calibrated model, the largest
     error whose PSNR, interpolated linearly in log(error) between measured points (each point's
-    PSNR taken as the lowest at that error or below, so the curve falls), meets the target; the
-    smallest of these over the models. A target above every measured PSNR gets the smallest
-    calibrated error (logged): its quality is then not known to meet the target."""
+    PSNR taken as the lower 95% confidence bound of its mean where the calibration gives one, and
+    as the lowest at that error or below, so the curve falls), meets the target; the smallest of
+    these over the models. A target above every measured PSNR gets the smallest calibrated error
+    (logged): its quality is then not known to meet the target."""
     import yaml
 
     models = yaml.safe_load(path.read_text())["models"]
@@ -77,7 +78,7 @@ def error_for(min_psnr_db: float, path: Path = CALIBRATION) -> float:
         raise ValueError(f"{path}: no calibrated model (cocodiff quality --sweep v-major-budget writes one)")
     errors = []
     for name, model in models.items():
-        points = sorted((p["error"], p["psnr_db"]) for p in model["points"])
+        points = sorted((p["error"], p.get("psnr_low_db", p["psnr_db"])) for p in model["points"])
         falling, lowest = [], math.inf
         for error, psnr in points:
             lowest = min(lowest, psnr)

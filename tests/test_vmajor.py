@@ -120,6 +120,10 @@ def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
     (tmp_path / "a.yaml").write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0}, {error: 0.2, psnr_db: 30.0}, {error: 0.4, psnr_db: 31.0}]}\n")
     assert vmajor.error_for(30.5, tmp_path / "a.yaml") == pytest.approx(0.1 * 2**0.95)
     assert 0 < vmajor.error_for(vmajor.DEFAULT_MIN_PSNR_DB) < 1  # the shipped calibration
+    # Where a point gives its lower confidence bound, that is what must meet the target.
+    (tmp_path / "low.yaml").write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0, psnr_low_db: 38.0}, "
+                                       "{error: 0.2, psnr_db: 32.0, psnr_low_db: 30.0}]}\n")
+    assert vmajor.error_for(34.0, tmp_path / "low.yaml") == pytest.approx(0.1 * 2**0.5)
     (tmp_path / "none.yaml").write_text("models: {}\n")
     with pytest.raises(ValueError, match="no calibrated model"):
         vmajor.error_for(38.0, tmp_path / "none.yaml")

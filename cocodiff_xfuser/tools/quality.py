@@ -79,11 +79,25 @@ def aggregate(reference: np.ndarray, candidate: np.ndarray, per_image: list[dict
     return {
         "identical": identical,
         "psnr_db": pooled,
+        "psnr_low_db": _pooled_psnr_low(per_image),
         "min_psnr_db": min(m["psnr_db"] for m in per_image),
         "ssim": float(np.mean([m["ssim"] for m in per_image])),
         "ms_ssim": None if per_image[0]["ms_ssim"] is None else float(np.mean([m["ms_ssim"] for m in per_image])),
         "max_abs_diff": max(m["max_abs_diff"] for m in per_image),
     }
+
+
+#: One-sided 95% normal quantile: the pooled PSNR's lower confidence bound.
+_Z95 = 1.645
+
+
+def _pooled_psnr_low(per_image: list[dict]) -> float:
+    """The pooled PSNR (images in [0, 1]) at the upper 95% confidence bound of the images' mean MSE:
+    what the mean over more images of the same kind keeps with 95% confidence (its own PSNR for one image)."""
+    mse = np.array([10 ** (-m["psnr_db"] / 10) for m in per_image])  # 0 where identical (psnr inf)
+    spread = _Z95 * mse.std(ddof=1) / math.sqrt(len(mse)) if len(mse) > 1 else 0.0
+    bound = mse.mean() + spread
+    return math.inf if bound == 0 else float(-10 * math.log10(bound))
 
 
 def measure_images(reference: np.ndarray, candidate: np.ndarray) -> tuple[list[dict], dict]:
@@ -303,7 +317,7 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
     rows = []
     for name, knobs in points.items():
         report = _report(run, list(run.extra) + _variant(knobs)[1], cases, results["ulysses"], results[name], None)
-        keep = ("psnr_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
+        keep = ("psnr_db", "psnr_low_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
                 "slow_link_bytes_saved_fraction", "v_major_active_fraction", "step_s", "reference_step_s")
         rows.append({"name": name, "settings": knobs, **{key: report[key] for key in keep}})
     for row in rows:
@@ -336,7 +350,8 @@ def write_calibration(summary: dict, path: Path) -> None:
     data["models"][summary["model"]] = {
         "measured": f"cocodiff quality --model {summary['model']} --sweep v-major-budget: ulysses "
                     f"{summary['ulysses_degree']} on {summary['topology']}, {summary['cases']} images, {summary['steps']} steps",
-        "points": [{"error": r["settings"]["error"], "psnr_db": round(r["psnr_db"], 2), "min_psnr_db": round(r["min_psnr_db"], 2)}
+        "points": [{"error": r["settings"]["error"], "psnr_db": round(r["psnr_db"], 2), "psnr_low_db": round(r["psnr_low_db"], 2),
+                    "min_psnr_db": round(r["min_psnr_db"], 2)}
                    for r in summary["points"]],
     }
     path.write_text(header + yaml.safe_dump(data, sort_keys=False))

@@ -52,6 +52,15 @@ def test_sweep_points_are_backend_names():
     assert exact[0]["cocodiff_v_major_residual_dtype"] == "none" and "--cocodiff-v-major-error=0.05" in exact[1]
 
 
+def test_the_pooled_psnr_has_a_lower_confidence_bound():
+    same = [{"psnr_db": 40.0}] * 5
+    assert quality._pooled_psnr_low(same) == pytest.approx(40.0)  # no spread, no margin
+    spread = [{"psnr_db": 35.0}, {"psnr_db": 45.0}, {"psnr_db": 40.0}, {"psnr_db": 38.0}]
+    mean_mse = sum(10 ** (-m["psnr_db"] / 10) for m in spread) / len(spread)
+    assert quality._pooled_psnr_low(spread) < -10 * math.log10(mean_mse)  # below the pooled PSNR
+    assert quality._pooled_psnr_low([{"psnr_db": math.inf}] * 3) == math.inf  # identical images
+
+
 def test_the_frontier_is_the_points_nothing_dominates():
     def point(saved, psnr):
         return {"slow_link_bytes_saved_fraction": saved, "psnr_db": psnr}
