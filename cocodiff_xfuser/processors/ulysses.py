@@ -211,7 +211,7 @@ def output_exchange(out: torch.Tensor, v_major: vmajor.Step | None = None) -> to
     world = active.world_size
     b, h, s, d = out.shape
     if v_major is not None:
-        stacked = out.view(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
+        stacked = out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
         covered = _Covered.start(stacked, "o", "out", v_major)
         if covered is not None:
             exchanged = commstats.timed_exchange(lambda _: covered.wait(), stacked)

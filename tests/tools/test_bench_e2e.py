@@ -27,7 +27,7 @@ SMOKE_LINKS = {"rail_bps": 1e9}
 
 
 def _smoke(configs: tuple[str, ...] | None) -> dict:
-    # Three steps: V-Major's two warm-up steps, then one sparse step.
+    # Three steps: V-Major's exact first step, its second warm-up step (every row as a residual), one budget step.
     report = bench_e2e.bench_e2e("rail", "tiny-flux", size=64, steps=3, repeat=1, params=SMOKE_LINKS, timeout=600,
                                  configs=configs)
     json.dumps(report)  # serializable
@@ -61,9 +61,10 @@ def test_e2e_smoke_runs_the_baselines_and_every_mechanism():
 def test_e2e_smoke_is_lossless_and_complete():
     configs = _smoke(None)
     assert list(configs) == list(bench_e2e.CONFIGS)
-    # V-Major ran, left tokens out, and the fabric's counters saw fewer bytes on the slow links.
+    # V-Major ran (after the first, exact step, its rows as fp8 residuals: every row where the
+    # budget needs nearly all of them), and the fabric's counters saw fewer bytes on the slow links.
     vmajor = configs["tapa+vfirst+vmajor"]
-    assert 0 < vmajor["v_major_active_fraction"] < 1 and vmajor["psnr_db"] > 20
+    assert 0 < vmajor["v_major_active_fraction"] <= 1 and vmajor["psnr_db"] > 20
     assert vmajor["slow_link_bytes"] < configs["tapa+vfirst"]["slow_link_bytes"]
 
 
