@@ -67,7 +67,8 @@ DEFAULT_MIN_PSNR_DB = 38.0
 def error_for(min_psnr_db: float, path: Path = CALIBRATION) -> float:
     """The ``budget`` policy's ``error`` for a mean-PSNR target: on each calibrated model, the largest
     error whose PSNR, interpolated linearly in log(error) between measured points (each point's
-    PSNR taken as the lower 95% confidence bound of its mean where the calibration gives one, and
+    PSNR taken as the lower 95% prediction bound for a fresh 20-image check where the calibration
+    gives one, and
     as the lowest at that error or below, so the curve falls), meets the target; the smallest of
     these over the models. A target above every measured PSNR gets the smallest calibrated error
     (logged): its quality is then not known to meet the target."""

@@ -87,15 +87,20 @@ def aggregate(reference: np.ndarray, candidate: np.ndarray, per_image: list[dict
     }
 
 
-#: One-sided 95% normal quantile: the pooled PSNR's lower confidence bound.
+#: One-sided 95% normal quantile: the pooled PSNR's lower prediction bound.
 _Z95 = 1.645
+#: The images of a default ``cocodiff quality`` run (the ten digits x DEFAULT_SEEDS): the fresh
+#: check the prediction bound is for.
+CHECK_IMAGES = 20
 
 
 def _pooled_psnr_low(per_image: list[dict]) -> float:
-    """The pooled PSNR (images in [0, 1]) at the upper 95% confidence bound of the images' mean MSE:
-    what the mean over more images of the same kind keeps with 95% confidence (its own PSNR for one image)."""
+    """The pooled PSNR (images in [0, 1]) that a fresh set of ``CHECK_IMAGES`` images of the same kind
+    keeps with 95% probability: its mean MSE at the one-sided prediction bound from these images'
+    mean and spread, ``mean + z * std * sqrt(1/n + 1/CHECK_IMAGES)`` (its own PSNR for one image)."""
     mse = np.array([10 ** (-m["psnr_db"] / 10) for m in per_image])  # 0 where identical (psnr inf)
-    spread = _Z95 * mse.std(ddof=1) / math.sqrt(len(mse)) if len(mse) > 1 else 0.0
+    n = len(mse)
+    spread = _Z95 * mse.std(ddof=1) * math.sqrt(1 / n + 1 / CHECK_IMAGES) if n > 1 else 0.0
     bound = mse.mean() + spread
     return math.inf if bound == 0 else float(-10 * math.log10(bound))
 
