@@ -29,13 +29,22 @@ _MAX = torch.finfo(FP8).max
 _SCALE_BYTES = 4
 
 
+def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[..., d]`` as fp8 values and one float32 scale per row (``[..., 1]``), both formats' numerics."""
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / _MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (x.float() / scale).to(FP8), scale
+
+
+def _dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (values.float() * scale).to(dtype)
+
+
 def pack(x: torch.Tensor) -> torch.Tensor:
     """``[W, rows, d]`` (W chunks in send order) as ``[W, rows * (d + 4)]`` bytes: each chunk's
     fp8 values, then its rows' float32 scales."""
     w, rows, d = x.shape
-    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / _MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    values = (x.float() / scale).to(FP8)
+    values, scale = _quantize(x)
     return torch.cat([values.view(torch.uint8).view(w, rows * d), scale.view(w, rows).view(torch.uint8)], dim=1)
 
 
@@ -45,7 +54,7 @@ def unpack(packed: torch.Tensor, rows: int, d: int, dtype: torch.dtype) -> torch
     w = packed.shape[0]
     values = packed[:, : rows * d].contiguous().view(FP8).view(w, rows, d)
     scale = packed[:, rows * d :].contiguous().view(torch.float32).view(w, rows, 1)
-    return (values.float() * scale).to(dtype)
+    return _dequantize(values, scale, dtype)
 
 
 def packed_bytes(rows: int, d: int) -> int:
@@ -55,9 +64,7 @@ def packed_bytes(rows: int, d: int) -> int:
 
 def pack_rows(x: torch.Tensor) -> torch.Tensor:
     """Rows ``[..., d]`` as ``[..., d + 4]`` bytes: each row's fp8 values, then its float32 scale."""
-    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / _MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    values = (x.float() / scale).to(FP8)
+    values, scale = _quantize(x)
     return torch.cat([values.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
 
@@ -66,4 +73,4 @@ def unpack_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     d = packed.shape[-1] - _SCALE_BYTES
     values = packed[..., :d].contiguous().view(FP8)
     scale = packed[..., d:].contiguous().view(torch.float32)
-    return (values.float() * scale).to(dtype)
+    return _dequantize(values, scale, dtype)
