@@ -68,9 +68,8 @@ def error_for(min_psnr_db: float, path: Path = CALIBRATION) -> float:
     """The ``budget`` policy's ``error`` for a mean-PSNR target: on each calibrated model, the largest
     error whose PSNR, interpolated linearly in log(error) between measured points (each point's
     PSNR taken as the lower 95% prediction bound for a fresh 20-image check where the calibration
-    gives one, and
-    as the lowest at that error or below, so the curve falls), meets the target; the smallest of
-    these over the models. A target above every measured PSNR gets the smallest calibrated error
+    gives one, and as the lowest at that error or below, so the curve falls), meets the target; the
+    smallest of these over the models. A target above every measured PSNR gets the smallest calibrated error
     (logged): its quality is then not known to meet the target."""
     import yaml
 
@@ -493,13 +492,20 @@ class Step:
 def _changed(x: torch.Tensor, reference: torch.Tensor | None, active: torch.Tensor, dim: int, residual: torch.dtype | None) -> torch.Tensor:
     """The rows ``active`` (along ``dim``) of ``x`` as they travel: their values (``reference``, where
     kept, takes them), or with ``residual`` their change since ``reference`` in that dtype, clamped
-    to its range, which ``reference`` adds as the receivers will."""
-    fresh = x.index_select(dim, active)
+    to its range, which ``reference`` adds as the receivers will. Every row goes in order (the
+    selection's rule), so then whole tensors stand in for their rows."""
+    every = active.numel() == x.shape[dim]
+    fresh = x if every else x.index_select(dim, active)
     if residual is None:
-        if reference is not None:
+        if reference is not None and every:
+            reference.copy_(fresh)
+        elif reference is not None:
             reference.index_copy_(dim, active, fresh)
         return fresh
     limit = torch.finfo(residual).max  # fp8 has no infinity: out-of-range values would cast to NaN
-    change = (fresh - reference.index_select(dim, active)).clamp(-limit, limit).to(residual)
-    reference.index_add_(dim, active, change.to(x.dtype))
+    change = (fresh - (reference if every else reference.index_select(dim, active))).clamp(-limit, limit).to(residual)
+    if every:
+        reference.add_(change.to(x.dtype))
+    else:
+        reference.index_add_(dim, active, change.to(x.dtype))
     return change

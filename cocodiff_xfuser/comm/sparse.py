@@ -343,18 +343,16 @@ class SparseHandle:
             return
         k = self._rows(j, self._level.me)
         index = _index_bytes(k, s, self._by_receiver)
+        every = k == s and not self._by_receiver  # every row, in order: no index travels
         if self._by_receiver:
             active = self._active
-        elif k == s:
-            active = torch.arange(s, device=into.device)
-        else:
+        elif not every:
             active = _view(piece[:index], torch.int32).long()
         if self._peers is not None:
-            self._peers[j] = active
+            self._peers[j] = torch.arange(s, device=into.device) if every else active
         rows = _view(piece[index:], self._rows_dtype).view(p, k, self._width)
         if self._decode is not None:
             rows = self._decode(rows)
-        every = k == s and not self._by_receiver  # every row, in order
         if every and self._residual:
             into[j].add_(rows.to(into.dtype))
         elif every:
