@@ -758,7 +758,8 @@ def case_v_major_layer() -> None:
 
 def _every_exchange(spec: str) -> list[torch.Tensor]:
     """One exchange of every kind on the world: flat-p2p, TAPA (plain, advanced, pipelined), and
-    V-Major's sparse one- and two-phase exchanges with uneven and empty masks."""
+    the sparse one- and two-phase exchanges with uneven and empty masks, rows chosen by the
+    receivers, and packed rows (fp8-slow)."""
     topo = Topology.parse(spec)
     hier = HierarchicalAllToAll(topo, [list(range(WORLD))])
     x = rand_bits((WORLD * 4 * 64,), torch.float32, 31)
@@ -770,8 +771,19 @@ def _every_exchange(spec: str) -> list[torch.Tensor]:
     mask = torch.arange(12) % (RANK + 2) == 0 if RANK else torch.zeros(12, dtype=torch.bool)
     sel = sparse.agree_counts(mask.nonzero().flatten(), dist.group.WORLD)
     rows = v.index_select(2, sel.active)
+    from cocodiff_xfuser.comm import compress
+
+    remote = [j for j in range(WORLD) if not level.fast(j)]
     for two_phase in (False, True):
-        out.append(sparse.SparseHandle(v, rows, sel, level, dist.group.WORLD, two_phase, torch.zeros_like(v)).wait())
+        peers = {}
+        out.append(sparse.SparseHandle(v, rows, sel, level, dist.group.WORLD, two_phase, torch.zeros_like(v), peers=peers).wait())
+        # The output exchange's rows (chosen by the receivers) and fp8-slow's packed rows.
+        back = {j: v[j].index_select(1, peers[j]) for j in remote}
+        out.append(sparse.SparseHandle(v, back, sel, level, dist.group.WORLD, two_phase, torch.zeros_like(v), by_receiver=True).wait())
+        every = sparse.Selection.fixed(torch.arange(v.shape[2]), WORLD)
+        packed = {j: compress.pack_rows(v[j]) for j in remote}
+        out.append(sparse.SparseHandle(v, packed, every, level, dist.group.WORLD, two_phase, torch.zeros_like(v),
+                                       decode=lambda r: compress.unpack_rows(r, v.dtype)).wait())
     return out
 
 
