@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import os
-import statistics
 from dataclasses import dataclass
 from typing import Callable, NoReturn, TypeVar
 
@@ -23,7 +22,7 @@ from cocodiff_xfuser import commstats, vmajor
 from cocodiff_xfuser.comm import compress, faults, layout, order, sparse, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
-from cocodiff_xfuser.comm.autotune import RECHECK_USES, AutoAllToAll, paired_ratios, sampling, time_paired
+from cocodiff_xfuser.comm.autotune import AutoAllToAll
 from cocodiff_xfuser.comm.flat import AllToAllHandle
 from cocodiff_xfuser.comm.registry import A2A_SETTINGS, Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
@@ -112,10 +111,6 @@ class CocodiffBackend:
         self.slow_level = self._slow_level(groups, "V-Major" if v_major else "fp8-slow") if v_major or slow_only else None
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
-        # --cocodiff-v-major auto: V's sparse exchanges so far, and whether the one timed against
-        # the exact exchange (the RECHECK_USES-th) turned V-Major off for the rest of the job.
-        self._sparse_v = 0
-        self.v_major_off = False
         # What decisions are only valid for (kept: at exit the process groups may be gone).
         self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
         self._decisions_file = self._load_decisions()
@@ -280,7 +275,7 @@ class CocodiffBackend:
     @torch.compiler.disable
     def start_sparse(
         self, x: torch.Tensor, rows: sparse.Rows, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
-        of_v: bool = False, by_receiver: bool = False, peers: dict[int, torch.Tensor] | None = None,
+        by_receiver: bool = False, peers: dict[int, torch.Tensor] | None = None,
         decode: Callable[[torch.Tensor], torch.Tensor] | None = None, kind: str = "v-major",
     ) -> _Reshaping:
         """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
@@ -288,22 +283,13 @@ class CocodiffBackend:
         add; ``by_receiver``, ``peers`` and ``decode``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s;
         ``kind`` names it in what ran: ``fp8-slow`` sends every row packed).
         Routed like the exact exchange of the same size: two phases where the autotune chose TAPA,
-        the backend's all-to-all with split sizes where it chose ``flat``, else one point-to-point batch.
-
-        ``of_v``: V's exchange of a layer. Under ``--cocodiff-v-major auto`` (unless ``if_slower:
-        keep``) the ``RECHECK_USES``-th of these is first timed against the exact exchange
-        (:meth:`_check_sparse`)."""
+        the backend's all-to-all with split sizes where it chose ``flat``, else one point-to-point batch."""
         algorithm = kind
         try:
             exact_algorithm = self._choose(x.flatten())
             two_phase = self.slow_level.regular and exact_algorithm == "hierarchical"
             collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
             algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
-            settings = self.options.v_major
-            if of_v and settings.min_psnr_db is not None and settings.if_slower == "stop":
-                self._sparse_v += 1
-                if self._sparse_v == RECHECK_USES:
-                    self._check_sparse(x, rows, selection, into, residual, exact_algorithm, two_phase, collective)
             slow, exact = sparse.sent_bytes(x, rows, self.slow_level, by_receiver)
             commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
             exchange = sparse.SparseHandle(
@@ -314,32 +300,6 @@ class CocodiffBackend:
             self._abort(label, algorithm, e)
         self._pending.append(handle)
         return handle
-
-    def _check_sparse(
-        self, x: torch.Tensor, rows: torch.Tensor, selection: sparse.Selection, into: torch.Tensor, residual: bool,
-        exact_algorithm: str, two_phase: bool, collective: bool,
-    ) -> None:
-        """Time this sparse exchange against the exact one in pairs, like the autotune's re-check
-        (collective over the group, the same decision on every rank: MAX over ranks); V-Major is
-        off for the rest of the job if it is not faster by the median (logged, counted)."""
-        self._complete_pending()
-        flat = x.flatten()
-
-        def exact() -> None:
-            self.exchange.run(exact_algorithm, flat, self.group)
-
-        def sparse_once() -> None:
-            sparse.SparseHandle(x, rows, selection, self.slow_level, self.group, two_phase, into.clone(), residual, collective).wait()
-
-        pairs, burst = sampling(flat.numel() * flat.element_size(), self.exchange.reps)
-        times = time_paired({"exact": exact, "sparse": sparse_once}, self.group, x.device, pairs, burst)
-        ratio = statistics.median(paired_ratios(times, "exact")["sparse"])
-        if ratio < 1.0:
-            logger.info("cocodiff: V-Major's sparse exchange took %.2fx the exact one's time; V-Major stays on", ratio)
-            return
-        self.v_major_off = True
-        logger.warning("cocodiff: V-Major off: its sparse exchange took %.2fx the exact one's time (the links are not the bottleneck)", ratio)
-        commstats.count_fallback("v-major: not faster than the exact exchange")
 
     @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:

@@ -25,8 +25,8 @@ receivers hold), and the clock agrees the counts once per step (one all-reduce, 
 group, that no rank waits for: it is read a step later, so a step sends the counts measured two
 steps before, the first sparse step those of the step before). ``auto`` maps a PSNR target to ``error`` with a calibration measured on
 the trained models (``configs/policies/v-major-calibration.yaml``), and turns V-Major off where
-its sparse exchange is not faster than the exact one (timed once, like the autotune's re-check;
-``if_slower: keep`` keeps it on, e.g. to save the bytes of a metered link).
+its steps are not faster than exact ones (:class:`_Trial`; ``if_slower: keep`` keeps it on, e.g. to
+save the bytes of a metered link).
 
 Caches live per attention layer and per transformer call within a step (true CFG calls the
 transformer twice per step) and are dropped when a new pipeline call starts, which a
@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import order, sparse
+from cocodiff_xfuser.platform import detect
 from cocodiff_xfuser.shipped import CONFIGS
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -118,7 +121,7 @@ class Settings:
     budget_mib: float
     if_slower: str
     # --cocodiff-v-major auto's target (not a file knob): its ``error`` came from the calibration,
-    # and V-Major turns itself off where its sparse exchange is not faster than the exact one.
+    # and V-Major turns itself off where its steps are not faster than exact ones.
     min_psnr_db: float | None = None
 
     @classmethod
@@ -201,6 +204,70 @@ class _Budget:
             del self.held[key]
 
 
+#: Pairs of steps, one with V-Major's exchanges and one exact, that auto times (:class:`_Trial`).
+TRIAL_PAIRS = 3
+
+
+class _Trial:
+    """Auto's speed check: whether V-Major makes this job's steps faster, measured on whole steps.
+
+    From step ``first`` (the end of the warm-up) of a pipeline call, ``TRIAL_PAIRS`` pairs of steps
+    run one with V-Major and one as V-First alone (exact exchanges, no selection, no caches touched:
+    the next step's residuals are still against what the receivers hold), in alternating order
+    (sparse first, then exact first...) so that a drift hits both alike, like the autotune's paired
+    timings. A step's time runs from its first transformer call
+    to the next step's, the device synchronized at both ends, and counts everything V-Major adds
+    or saves: selection, residuals, caches and all of a layer's exchanges. Each step's time is the
+    MAX over the group (one all-reduce, so every rank takes the same decision); V-Major stays on if
+    the median of the pairs' ratios (sparse / exact) is below 1. A pipeline call too short for the
+    trial leaves it to the next one.
+    """
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.times: list[float] = []  # the trial's steps so far, in step order
+        self._started: float | None = None
+
+    def exact(self, step: int) -> bool:
+        """Whether ``step`` is one of the trial's exact steps."""
+        i = step - self.first
+        if not 0 <= i < 2 * TRIAL_PAIRS:
+            return False
+        pair, second = divmod(i, 2)
+        return (second == 1) == (pair % 2 == 0)
+
+    def restart(self) -> None:
+        self.times, self._started = [], None
+
+    def at_step(self, step: int, device: torch.device, group: Any) -> bool | None:
+        """At the start of ``step`` (every rank, the same steps): time the step that ended, and once
+        all of the trial's have, decide: whether V-Major's steps are faster (None: not decided)."""
+        if not self.first < step <= self.first + 2 * TRIAL_PAIRS and step != self.first:
+            return None
+        detect().synchronize(device)
+        now = time.perf_counter()
+        if self._started is not None:
+            self.times.append(now - self._started)
+        self._started = now
+        if step < self.first + 2 * TRIAL_PAIRS:
+            return None
+        times = torch.tensor(self.times, dtype=torch.float32, device=device)
+        order.launched(group, "all_reduce")
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        steps = times.tolist()
+        ratios = []
+        for pair in range(TRIAL_PAIRS):
+            a, b = steps[2 * pair], steps[2 * pair + 1]
+            ratios.append(a / b if pair % 2 == 0 else b / a)
+        ratio = statistics.median(ratios)
+        if ratio < 1.0:
+            logger.info("cocodiff: V-Major's steps took %.2fx exact steps' time; V-Major stays on", ratio)
+            return True
+        logger.warning("cocodiff: V-Major off: its steps took %.2fx exact steps' time (the links are not the bottleneck)", ratio)
+        commstats.count_fallback("v-major: steps not faster than exact steps")
+        return False
+
+
 
 class Clock:
     """The denoising step of one transformer, read from the timesteps it is called with.
@@ -209,13 +276,17 @@ class Clock:
     step (true CFG's second branch); a higher one (or the first), a new pipeline call.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, trial_from: int | None = None) -> None:
         self.call = 0
         self.step = 0
         self.branch = 0
         self.layers = 0  # V-Major layers attached to this clock
         self.budget = _Budget()  # their caches
         self.group = group  # the Ulysses group the layers' counts are agreed over (policy budget)
+        # Auto's speed check from step ``trial_from`` (None: none), until it decides; ``off``: it
+        # found V-Major's steps not faster, and every exchange is exact for the rest of the job.
+        self.trial = None if trial_from is None else _Trial(trial_from)
+        self.off = False
         # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
@@ -229,12 +300,23 @@ class Clock:
             self.call, self.step, self.branch = self.call + 1, 0, 0
             self._take_shares()  # the last call's: completed, then dropped
             self.shares = self.needed = None
+            if self.trial is not None:
+                self.trial.restart()
         elif t == self._last:
             self.branch += 1
         else:
             self.step, self.branch = self.step + 1, 0
             self._agree_shares()
         self._last = t
+        if self.trial is not None and self.branch == 0:
+            device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
+            faster = self.trial.at_step(self.step, device, self.group if self.group is not None else dist.group.WORLD)
+            if faster is not None:
+                self.trial, self.off = None, not faster
+
+    def exact_step(self) -> bool:
+        """Whether this step runs without V-Major (one of auto's timed exact steps)."""
+        return self.trial is not None and self.trial.exact(self.step)
 
     def need(self, layer: int, share: torch.Tensor) -> None:
         """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget."""
@@ -276,9 +358,10 @@ class Clock:
             self.shares, self._agreeing = needed.tolist(), None
 
 
-def attach_clock(transformer: torch.nn.Module, group: Any = None) -> Clock:
+def attach_clock(transformer: torch.nn.Module, group: Any = None, settings: Settings | None = None) -> Clock:
     """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument) and
-    settled after it; ``group``: the Ulysses group of its V-Major layers."""
+    settled after it; ``group``: the Ulysses group of its V-Major layers; ``settings``: theirs (auto,
+    unless ``if_slower: keep``, times its steps against exact ones)."""
 
     def before(module, args, kwargs) -> None:
         timestep = kwargs.get("timestep")
@@ -286,7 +369,8 @@ def attach_clock(transformer: torch.nn.Module, group: Any = None) -> Clock:
             raise ValueError(f"cocodiff: V-Major needs {type(module).__name__} to be called with timestep=...")
         clock.tick(timestep)
 
-    clock = Clock(group)
+    trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
+    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None)
     transformer.register_forward_pre_hook(before, with_kwargs=True)
     transformer.register_forward_hook(lambda module, args, output: clock.settle())
     return clock
@@ -312,6 +396,15 @@ class Layer:
         clock.layers += 1
         self._call = -1
         self._caches: dict[int, _Caches] = {}
+
+    def stopped(self) -> bool:
+        """Whether this call runs without V-Major, as V-First alone: auto turned it off for the job
+        (the layer's caches are then dropped), or this is one of its timed exact steps (the caches
+        are kept: the senders' references still match what the receivers hold)."""
+        if self.clock.off and self._caches:
+            self._caches = {}
+            self.clock.budget.release(id(self))
+        return self.clock.off or self.clock.exact_step()
 
     def begin(self, v: torch.Tensor) -> Step:
         """Decide this call's exchanges from V (destination-major ``[W, 1, b, h/W, s, d]``)."""
@@ -481,7 +574,11 @@ class Step:
                 caches.reference[name] = x
             return x, False
         reference = caches.reference.get(name)
-        if name == "o":
+        s = x.shape[4]
+        if name == "o" and self.peers and all(active.numel() == s for active in self.peers.values()):
+            whole = _changed(x, reference, next(iter(self.peers.values())), 4, residual)  # one pass for every peer
+            sent = {j: whole[j] for j in self.peers}
+        elif name == "o":
             sent = {j: _changed(x[j], None if reference is None else reference[j], active, 3, residual)
                     for j, active in self.peers.items()}
         else:

@@ -69,6 +69,46 @@ def test_clock_counts_steps_branches_and_calls():
     assert seen == [(1, 0, 0), (1, 1, 0), (1, 1, 1), (1, 2, 0), (2, 0, 0), (2, 1, 0)]
 
 
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_auto_trial_alternates_exact_and_sparse_steps():
+    trial = vmajor._Trial(first=2)
+    # Pairs (sparse, exact), (exact, sparse), (sparse, exact) from step 2; outside them, no trial step is exact.
+    assert [trial.exact(s) for s in range(10)] == [False, False, False, True, True, False, False, True, False, False]
+    assert vmajor.TRIAL_PAIRS == 3
+
+
+@pytest.mark.parametrize("sparse_s, exact_s, stays_on", [(1.0, 2.0, True), (2.0, 1.5, False)])
+def test_auto_trial_times_whole_steps_and_turns_v_major_off_where_they_are_not_faster(
+    one_rank_group, monkeypatch, sparse_s, exact_s, stays_on
+):
+    from cocodiff_xfuser import commstats
+
+    commstats.reset()
+    clock = vmajor.Clock(trial_from=2)
+    now = [0.0]
+    monkeypatch.setattr(vmajor.time, "perf_counter", lambda: now[0])
+    for step in range(10):
+        clock.tick(torch.tensor([1.0 - step / 10]))
+        if clock.trial is not None:
+            assert clock.exact_step() == clock.trial.exact(step)
+        now[0] += exact_s if clock.exact_step() else sparse_s
+    assert clock.trial is None and clock.off is not stays_on  # decided at step 8, after the third pair
+    assert (commstats.ran()["fallbacks"] == {}) is stays_on
+    # A new pipeline call keeps the decision; a trial cut short by a new call starts over.
+    short = vmajor.Clock(trial_from=1)
+    for t in (1.0, 0.9, 0.8, 1.0):
+        short.tick(t)
+    assert short.trial is not None and short.trial.times == [] and not short.off
+
+
 def _layer(**overrides) -> vmajor.Layer:
     clock = vmajor.Clock()
     clock.tick(1.0)
@@ -133,14 +173,20 @@ def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
 def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     """An image generated after others in the same job is bitwise the image of the first call (the
     caches start over at every pipeline call); a budget no layer fits gives the exact exchange.
-    One torchrun job: every backend variant builds its own pipeline, so its first call starts fresh."""
+    Auto's speed check (timed steps in the first call) keeps V-Major on or turns it off for the job,
+    counted either way. One torchrun job: every backend variant builds its own pipeline, so its
+    first call starts fresh."""
     tiny_models.ensure_fixture(digits.NAME)
     cases = [["digit 7", 1], ["digit 3", 0], ["digit 7", 1]]
-    variants = {"budget": {"sp_backend": "cocodiff", "cocodiff_v_major_budget_mib": 0.01}}
+    variants = {
+        "budget": {"sp_backend": "cocodiff", "cocodiff_v_major_budget_mib": 0.01},
+        "auto": {"sp_backend": "cocodiff", "cocodiff_v_major": "auto", "cocodiff_v_major_if_slower": "stop"},
+        "vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "off"},
+    }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     (tmp_path / "variants.json").write_text(json.dumps(variants))
     run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", extra=("--cocodiff_v_major", "on"))
-    argv = run.argv(("cocodiff", "budget"), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
+    argv = run.argv(("cocodiff", "budget", "auto", "vfirst"), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
     launcher.torchrun(4, argv, timeout=600)
 
     def generated(backend: str) -> tuple[np.ndarray, dict]:
@@ -155,3 +201,15 @@ def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     assert not any(name.startswith("v-major") for name in over["ran"]["exchanges"]), over["ran"]
     assert over["ran"]["slow_link_bytes"] == over["ran"]["slow_link_bytes_exact"]
     assert not np.array_equal(exact[0], images[0])  # V-Major is lossy; the budget fall-back is exact
+    # Auto: in the first call, its trial ran steps 3, 4 and 7 as V-First alone (exact, no selection).
+    first, later = generated("auto")[1]["ran"], generated("vfirst")[0]
+    layers, ranks = 6, 4
+    trial_exact = 3 * layers * ranks * 3  # exact steps x layers x ranks x exchanges (v, qk, out)
+    off = first["fallbacks"].get("v-major: steps not faster than exact steps", 0)
+    assert sum(first["exchanges"].get(a, 0) for a in ("flat", "flat-p2p")) >= trial_exact, first
+    if off:  # after the trial, every exchange exact: the later images are V-First's, bitwise
+        assert off == ranks and first["v_major_sparse"]["v"] == 4 * layers * ranks, first  # steps 1, 2, 5 and 6
+        assert np.array_equal(generated("auto")[0][1:], later[1:])
+    else:
+        assert first["v_major_sparse"]["v"] > 4 * layers * ranks, first  # sparse in the later calls too
+

@@ -118,7 +118,7 @@ def _attach_v_major(transformer: torch.nn.Module, settings: vmajor.Settings) -> 
     clock = transformer.__dict__.get("_cocodiff_clock")
     if clock is None:
         active = backend.active()
-        clock = transformer._cocodiff_clock = vmajor.attach_clock(transformer, None if active is None else active.group)
+        clock = transformer._cocodiff_clock = vmajor.attach_clock(transformer, None if active is None else active.group, settings)
     ours = tuple(replacements().values())
     for module in transformer.modules():
         processor = getattr(module, "processor", None)

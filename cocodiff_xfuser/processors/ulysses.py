@@ -57,13 +57,13 @@ class PendingExchange:
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
         self._covered = None
-        if v_major is None and (layer is None or active.slow_level is None or active.v_major_off):
+        if v_major is None and (layer is None or active.slow_level is None or layer.stopped()):
             # Exact: the head blocks are written once, in the order the chosen exchange sends.
             self._handle = active.start_heads(tensors, label)
         else:
             # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
             stacked = comm_layout.heads(tensors, (world,), (0,))
-            if layer is not None and active.slow_level is not None and not active.v_major_off:
+            if layer is not None:
                 bookkeeping = time.perf_counter()
                 v_major = layer.begin(stacked)
                 commstats.count_v_major_time(time.perf_counter() - bookkeeping)
@@ -125,7 +125,7 @@ class _Covered:
         into = step.caches.received[name].view(world, planes, s, d)
         self.handle = active.start_sparse(
             stacked.view(world, planes, s, d), rows, step.selection, into, label, residual,
-            of_v=name == "v", by_receiver=name == "o", peers=step.peers if name == "v" else None,
+            by_receiver=name == "o", peers=step.peers if name == "v" else None,
         )
 
     def wait(self) -> torch.Tensor:

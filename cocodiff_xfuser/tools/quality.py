@@ -268,7 +268,7 @@ V_MAJOR_SWEEP = {
 #: ``--sweep v-major-budget``: the ``budget`` policy as ``--cocodiff-v-major auto`` runs it (the shipped
 #: defaults otherwise) at several errors: the points of ``configs/policies/v-major-calibration.yaml``.
 BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "float8_e4m3fn"}
-                for e in (0.01, 0.02, 0.03, 0.05, 0.1, 0.2)}
+                for e in (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.2)}
 #: ``--sweep frontier``: V-Major against the peers' compression of the same traffic, one byte counter:
 #: fp8 with a scale per token and head on every link (xDiT's and cache-dit's fp8 Ulysses traffic,
 #: ``--cocodiff-compress fp8``) and on the slow level only (``fp8-slow``), and every token's change
@@ -324,7 +324,8 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
         report = _report(run, list(run.extra) + _variant(knobs)[1], cases, results["ulysses"], results[name], None)
         keep = ("psnr_db", "psnr_low_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
                 "slow_link_bytes_saved_fraction", "v_major_active_fraction", "step_s", "reference_step_s")
-        rows.append({"name": name, "settings": knobs, **{key: report[key] for key in keep}})
+        rows.append({"name": name, "settings": knobs, **{key: report[key] for key in keep},
+                     "image_psnr_db": [image["psnr_db"] for image in report["images"]]})
     for row in rows:
         row["on_frontier"] = not any(_dominates(other, row) for other in rows)
     summary = {"model": run.model, "ulysses_degree": run.ulysses_degree, "topology": run.topology,

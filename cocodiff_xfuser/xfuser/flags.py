@@ -132,7 +132,7 @@ V_MAJOR_KNOBS = (
     ("scope", str, f"exchanges the mask gates: {', '.join(vmajor.SCOPES)}"),
     ("residual_dtype", str, f"active rows over slow links: {', '.join(vmajor.RESIDUAL_DTYPES)} (none: values)"),
     ("budget_mib", float, "bound on the caches in MiB; layers beyond it use the exact exchange"),
-    ("if_slower", str, f"auto, where its sparse exchange is not faster than the exact one: {', '.join(vmajor.IF_SLOWER)}"),
+    ("if_slower", str, f"auto, where its steps are not faster than exact steps: {', '.join(vmajor.IF_SLOWER)}"),
 )
 
 BACKEND_KEYS = (

@@ -44,8 +44,8 @@ def _smoke(configs: tuple[str, ...] | None) -> dict:
     assert set(configs["fair-flat"]["exchanges_by_algorithm"]) == {"flat-p2p"}, configs["fair-flat"]
     assert configs["fair-flat"]["speedup_vs_fair"] == 1.0
     assert {o["label"] for o in configs["tapa+vfirst"]["v_overlap"]} == {"flux.double.v", "flux.single.v"}
-    # Auto: the budget policy from its PSNR target ran sparse exchanges; its speed check (at the
-    # fourth sparse V exchange) kept V-Major on or turned it off, counted either way.
+    # Auto: the budget policy from its PSNR target ran sparse exchanges (three steps are too few for
+    # its speed check, which times pairs of steps after the warm-up).
     auto = configs["tapa+vfirst+vmajor-auto"]
     assert any(name.startswith("v-major") for name in auto["exchanges_by_algorithm"]), auto
     assert auto["psnr_db"] > 20
