@@ -215,12 +215,12 @@ class _Trial:
     run one with V-Major and one as V-First alone (exact exchanges, no selection, no caches touched:
     the next step's residuals are still against what the receivers hold), in alternating order
     (sparse first, then exact first...) so that a drift hits both alike, like the autotune's paired
-    timings. A step's time runs from its first transformer call
-    to the next step's, the device synchronized at both ends, and counts everything V-Major adds
-    or saves: selection, residuals, caches and all of a layer's exchanges. Each step's time is the
-    MAX over the group (one all-reduce, so every rank takes the same decision); V-Major stays on if
-    the median of the pairs' ratios (sparse / exact) is below 1. A pipeline call too short for the
-    trial leaves it to the next one.
+    timings. A step's time runs from its first transformer call to the next step's, the device
+    synchronized at both ends, and counts everything V-Major adds or saves: selection, residuals,
+    caches and all of a layer's exchanges. Each step's time is the MAX over the group (one
+    all-reduce, so every rank takes the same decision); V-Major stays on if the median of the pairs'
+    ratios (sparse / exact) is below 1. A pipeline call too short for the trial leaves it to the
+    next one.
     """
 
     def __init__(self, first: int) -> None:
@@ -266,7 +266,6 @@ class _Trial:
         logger.warning("cocodiff: V-Major off: its steps took %.2fx exact steps' time (the links are not the bottleneck)", ratio)
         commstats.count_fallback("v-major: steps not faster than exact steps")
         return False
-
 
 
 class Clock:
