@@ -453,7 +453,7 @@ def format_report(report: dict, out: Path) -> str:
 
 def _keep(args, extra: Sequence[str]) -> tuple[str, ...]:
     """Auto keeps V-Major on here: this command measures the images and bytes V-Major gives; whether
-    its exchange is faster than the exact one is a property of the job's links (loopback here), which
+    its steps are faster than exact ones is a property of the job's links (loopback here), which
     the auto mode checks in the job itself (``cocodiff bench e2e`` runs it on emulated clusters)."""
     if args.v_major != "auto" or any(flag.replace("_", "-").startswith("--cocodiff-v-major-if-slower") for flag in extra):
         return ()
