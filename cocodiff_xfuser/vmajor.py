@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import order, sparse
+from cocodiff_xfuser.comm.autotune import paired_ratios
 from cocodiff_xfuser.platform import detect
 from cocodiff_xfuser.shipped import CONFIGS
 
@@ -254,12 +255,10 @@ class _Trial:
         times = torch.tensor(self.times, dtype=torch.float32, device=device)
         order.launched(group, "all_reduce")
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        steps = times.tolist()
-        ratios = []
-        for pair in range(TRIAL_PAIRS):
-            a, b = steps[2 * pair], steps[2 * pair + 1]
-            ratios.append(a / b if pair % 2 == 0 else b / a)
-        ratio = statistics.median(ratios)
+        by_kind: dict[str, list[float]] = {"sparse": [], "exact": []}  # pair by pair
+        for i, seconds in enumerate(times.tolist()):
+            by_kind["exact" if self.exact(self.first + i) else "sparse"].append(seconds)
+        ratio = statistics.median(paired_ratios(by_kind, "exact")["sparse"])
         if ratio < 1.0:
             logger.info("cocodiff: V-Major's steps took %.2fx exact steps' time; V-Major stays on", ratio)
             return True
@@ -401,16 +400,19 @@ class Layer:
         (the layer's caches are then dropped), or this is one of its timed exact steps (the caches
         are kept: the senders' references still match what the receivers hold)."""
         if self.clock.off and self._caches:
-            self._caches = {}
-            self.clock.budget.release(id(self))
+            self._drop_caches()
         return self.clock.off or self.clock.exact_step()
+
+    def _drop_caches(self) -> None:
+        self._caches = {}
+        self.clock.budget.release(id(self))
 
     def begin(self, v: torch.Tensor) -> Step:
         """Decide this call's exchanges from V (destination-major ``[W, 1, b, h/W, s, d]``)."""
         clock, settings = self.clock, self.settings
         if clock.call != self._call:  # a new pipeline call: nothing carries over
-            self._call, self._caches = clock.call, {}
-            clock.budget.release(id(self))
+            self._call = clock.call
+            self._drop_caches()
             if self.index == 0:
                 need = _cache_bytes(v, settings)
                 logger.info(
