@@ -290,11 +290,10 @@ class CocodiffBackend:
             two_phase = self.slow_level.regular and exact_algorithm == "hierarchical"
             collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
             algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
-            slow, exact = sparse.sent_bytes(x, rows, self.slow_level, by_receiver)
-            commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
             exchange = sparse.SparseHandle(
                 x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective, by_receiver, peers, decode
             )
+            commstats.count_exchange(algorithm, label, slow_link_bytes=exchange.slow_bytes, slow_link_bytes_exact=exchange.exact_bytes)
             handle = _Reshaping(self, exchange, into.shape, label, algorithm)
         except RuntimeError as e:
             self._abort(label, algorithm, e)

@@ -64,7 +64,7 @@ class _Ran:
     # V-Major: (step, layer) -> [active tokens, tokens] summed over the layer's calls at that step.
     v_major: dict = field(default_factory=dict)
     v_major_s: float = 0.0  # host time in V-Major's bookkeeping: selection, references, residuals
-    v_major_sparse: Counter = field(default_factory=Counter)  # exchange ('v', 'qk', 'o') -> sparse exchanges
+    v_major_sparse: Counter = field(default_factory=Counter)  # exchange ('v', 'qk', 'qk+v', 'o') -> sparse exchanges
 
 
 _totals = _Totals()
@@ -104,7 +104,8 @@ def count_v_major_time(seconds: float) -> None:
 
 
 def count_v_major_sparse(name: str) -> None:
-    """A sparse exchange of a layer's ``name`` ('v', 'qk' or 'o': which of them follow V's decision)."""
+    """A sparse exchange of a layer's ``name`` ('v', 'qk' or 'o': which of them follow V's decision;
+    'qk+v': V riding with Q/K)."""
     _ran.v_major_sparse[name] += 1
 
 
@@ -122,7 +123,8 @@ def ran() -> dict:
     copies around and inside the exchanges: layout changes, re-blocking), ``padded_bytes`` (zero
     heads and tokens sent so that counts not divisible by the degree split), ``v_major``: the tokens
     V-Major sent over slow links, ``active``, of ``tokens``, in total, per step and per layer,
-    ``v_major_sparse``: its sparse exchanges per exchange of a layer ('v', 'qk', 'o'), and
+    ``v_major_sparse``: its sparse exchanges per exchange of a layer ('v', 'qk', 'o'; 'qk+v' where V
+    rode with Q/K), and
     ``v_major_s``: the host time of V-Major's bookkeeping (selection, references, residuals; on a
     GPU the time to queue that work, which the device runs asynchronously)."""
     return {

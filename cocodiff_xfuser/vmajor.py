@@ -288,7 +288,7 @@ class Clock:
         # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
-        self.needed: torch.Tensor | None = None
+        self.needed: list[tuple[int, torch.Tensor]] = []
         self._agreeing: tuple[Any, torch.Tensor] | None = None  # an all-reduce in flight, and its tensor
         self._last: float | None = None
 
@@ -297,7 +297,7 @@ class Clock:
         if self._last is None or t > self._last:
             self.call, self.step, self.branch = self.call + 1, 0, 0
             self._take_shares()  # the last call's: completed, then dropped
-            self.shares = self.needed = None
+            self.shares, self.needed = None, []
             if self.trial is not None:
                 self.trial.restart()
         elif t == self._last:
@@ -317,10 +317,9 @@ class Clock:
         return self.trial is not None and self.trial.exact(self.step)
 
     def need(self, layer: int, share: torch.Tensor) -> None:
-        """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget."""
-        if self.needed is None:
-            self.needed = torch.zeros(self.layers, dtype=torch.float32, device=share.device)
-        self.needed[layer] = torch.maximum(self.needed[layer], share)
+        """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget
+        (the largest of a step's calls counts; gathered once per step, in :meth:`_agree_shares`)."""
+        self.needed.append((layer, share))
 
     def shares_now(self) -> list[float] | None:
         """The agreed shares for this step; the first time there are any, waits for their agreement."""
@@ -336,12 +335,16 @@ class Clock:
         host reads a result its queue has long passed. Whether it runs depends on the steps and
         the layers that ran, the same on every rank."""
         self._take_shares()
-        if self.needed is None:
+        if not self.needed:
             return
+        layers, shares = zip(*self.needed)
+        device = shares[0].device
+        needed = torch.zeros(self.layers, dtype=torch.float32, device=device).index_reduce_(
+            0, torch.tensor(layers, device=device), torch.stack(shares).float(), "amax")
         group = self.group if self.group is not None else dist.group.WORLD
         order.launched(group, "all_reduce")
-        work = dist.all_reduce(self.needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self._agreeing, self.needed = (work, self.needed), None
+        work = dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self._agreeing, self.needed = (work, needed), []
 
     def settle(self) -> None:
         """Complete the agreement in flight (after a transformer call: it has had the whole call to
@@ -383,6 +386,32 @@ class _Caches:
         # (destination-major; 'qk' and 'o' only with residuals), and the last result on this rank.
         self.reference: dict[str, torch.Tensor] = {}
         self.received: dict[str, torch.Tensor] = {}
+        # (kind, names exchanged together) -> one tensor along dim 1 and the views of it kept as
+        # their entries, so a layer whose V rides with Q/K every step joins them without a copy.
+        self._joined: dict[tuple[str, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def joined(self, kind: str, names: tuple[str, ...]) -> torch.Tensor:
+        """The entries ``names`` of ``kind`` ('reference' or 'received') as one tensor along dim 1,
+        which they become views of: the one kept from the last time where they still are."""
+        store = getattr(self, kind)
+        base, views = self._joined.get((kind, *names), (None, []))
+        parts = [store[name] for name in names]
+        if base is not None and all(part is view for part, view in zip(parts, views)):
+            return base
+        base = torch.cat(parts, dim=1)
+        self.split(kind, names, base)
+        return base
+
+    def split(self, kind: str, names: tuple[str, ...], base: torch.Tensor) -> None:
+        """Keep ``base`` (the entries ``names`` of ``kind`` along dim 1, as many planes each as
+        before) as those entries."""
+        store, first, views = getattr(self, kind), 0, []
+        for name in names:
+            n = store[name].shape[1]
+            store[name] = base[:, first:first + n]
+            views.append(store[name])
+            first += n
+        self._joined[(kind, *names)] = (base, views)
 
 
 class Layer:
@@ -433,10 +462,10 @@ class Layer:
             caches = self._caches[clock.branch] = _Caches(tuple(v.shape))
         step, s = clock.step, v.shape[4]
         reference = caches.reference.get("v")
-        change = None  # policy budget: every token's squared change, measured at every step
+        ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
         if settings.policy == "budget" and reference is not None:
-            change = _squared_change(v, reference)
-            clock.need(self.index, _share_needed(change, v, settings.error))
+            share, ranked = _share_needed(_squared_change(v, reference), v, settings.error)
+            clock.need(self.index, share)
         k = None if reference is None else self._count(step, s)
         if (
             step < settings.warmup_steps
@@ -457,7 +486,7 @@ class Layer:
         if k is not None and k >= s:  # every token, as residuals: in order, so no index travels
             active = torch.arange(s, device=v.device)
         else:
-            active = change.topk(k).indices if change is not None else self._select(v, reference, k)
+            active = ranked[s - k:] if ranked is not None else self._select(v, reference, k)
         commstats.count_v_major(step, self.index, active.numel(), s)
         return Step(self, caches, active)
 
@@ -498,13 +527,15 @@ def _squared_change(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return (v - reference).float().square().sum(dim=(0, 1, 2, 3, 5))
 
 
-def _share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> torch.Tensor:
+def _share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest share of tokens whose sending (largest ``change`` first) leaves the relative L2
-    error of V as the receivers hold it within ``error``: a device scalar."""
-    ordered = change.sort(descending=True).values
-    left = ordered.sum() - torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])  # left out after sending k = 0..s
-    k = (left > error**2 * v.float().square().sum()).sum()
-    return k.float() / change.numel()
+    error of V as the receivers hold it within ``error`` (a device scalar), and the tokens ranked
+    by ``change``, smallest first (the share's tokens are the last ones): the tokens left out are
+    the longest prefix whose changes sum within the budget."""
+    ordered, ranked = change.sort()
+    flat = v.float().flatten()
+    left_out = (ordered.cumsum(0) <= flat.dot(flat) * error**2).sum()
+    return 1.0 - left_out / change.numel(), ranked
 
 
 def _row_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
@@ -547,6 +578,14 @@ class Step:
     peers: dict = field(default_factory=dict)
 
     @property
+    def v_rides(self) -> bool:
+        """Whether V's exchange waits to ride with Q/K's (a sparse step whose Q and K follow V's
+        selection). V-First hides V's exchange behind the Q/K projections; at a sparse step that
+        exchange is V's few changed rows, and posting them in Q/K's messages saves the layer a
+        whole exchange: its latency on every link and its host work."""
+        return self.active is not None and self.caches is not None and self.layer.settings.scope in _FOLLOWS["qk"]
+
+    @property
     def fixed(self) -> bool:
         """Whether every rank's count is fixed by the settings and the step (no agreement)."""
         return self.layer.settings.policy != "threshold"
@@ -558,9 +597,10 @@ class Step:
             return False
         return x.shape[4] == self.caches.shape[4] and x.shape[2] == self.caches.shape[2]
 
-    def rows(self, name: str, x: torch.Tensor) -> tuple[Any, bool]:
-        """What the exchange ``name`` of ``x`` (``[W, n, b, h/W, s, d]``) sends over slow links this
-        step, and whether it is a residual; updates the reference to what the receivers will hold.
+    def rows(self, names: tuple[str, ...], x: torch.Tensor) -> tuple[Any, bool]:
+        """What the exchange of ``names`` (one, or 'qk' and 'v' riding together at a sparse step)
+        in ``x`` (``[W, n, b, h/W, s, d]``, theirs along dim 1) sends over slow links this step, and
+        whether it is a residual; updates the references to what the receivers will hold.
 
         A full step sends everything: the reference becomes ``x``. A sparse one sends the active
         tokens, as values, or as their change since the reference rounded to the residual dtype
@@ -570,10 +610,21 @@ class Step:
         own active tokens (a dict, group rank -> ``[n, b, h/W, k_j, d]``).
         """
         caches, residual = self.caches, self.layer.settings.residual
+        name = names[0]
         if self.active is None:
             if name == "v" or residual is not None:
                 caches.reference[name] = x
             return x, False
+        if len(names) > 1 and residual is not None:
+            return _changed(x, caches.joined("reference", names), self.selection.active, 4, residual), True
+        if len(names) > 1:  # values: only V's reference is kept
+            first, sent = 0, []
+            for name in names:
+                reference = caches.reference.get(name)
+                n = caches.received[name].shape[1]
+                sent.append(_changed(x[:, first:first + n], reference, self.selection.active, 4, None))
+                first += n
+            return torch.cat(sent, dim=1), False
         reference = caches.reference.get(name)
         s = x.shape[4]
         if name == "o" and self.peers and all(active.numel() == s for active in self.peers.values()):

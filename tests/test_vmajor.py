@@ -139,12 +139,14 @@ def test_budget_share_is_the_fewest_tokens_meeting_the_error():
     change = torch.arange(10.0) ** 2
     v = torch.full((1000,), 1.0)
     for error in (0.05, 0.1, 0.2, 0.5):
-        share = float(vmajor._share_needed(change, v, error))
+        share, ranked = vmajor._share_needed(change, v, error)
+        share = float(share)
+        assert ranked.tolist() == list(range(10))  # smallest change first
         k = round(share * 10)
         left = sorted(change.tolist(), reverse=True)[k:]
         assert sum(left) <= error**2 * 1000  # sending the k largest meets the budget ...
         assert k == 0 or sum(left) + sorted(change.tolist(), reverse=True)[k - 1] > error**2 * 1000  # ... k-1 would not
-    assert float(vmajor._share_needed(torch.zeros(10), v, 0.1)) == 0.0
+    assert float(vmajor._share_needed(torch.zeros(10), v, 0.1)[0]) == 0.0
 
 
 def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
@@ -208,8 +210,8 @@ def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     off = first["fallbacks"].get("v-major: steps not faster than exact steps", 0)
     assert sum(first["exchanges"].get(a, 0) for a in ("flat", "flat-p2p")) >= trial_exact, first
     if off:  # after the trial, every exchange exact: the later images are V-First's, bitwise
-        assert off == ranks and first["v_major_sparse"]["v"] == 4 * layers * ranks, first  # steps 1, 2, 5 and 6
+        assert off == ranks and first["v_major_sparse"]["qk+v"] == 4 * layers * ranks, first  # steps 1, 2, 5 and 6
         assert np.array_equal(generated("auto")[0][1:], later[1:])
     else:
-        assert first["v_major_sparse"]["v"] > 4 * layers * ranks, first  # sparse in the later calls too
+        assert first["v_major_sparse"]["qk+v"] > 4 * layers * ranks, first  # sparse in the later calls too
 

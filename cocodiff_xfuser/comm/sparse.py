@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Sequence
 
 import torch
@@ -78,7 +79,16 @@ class SlowLevel:
         return len(set(per_node)) == 1
 
     def fast(self, j: int) -> bool:
-        return self.node[j] == self.node[self.me]
+        return self._fast[j]
+
+    @cached_property
+    def _fast(self) -> tuple[bool, ...]:
+        return tuple(n == self.node[self.me] for n in self.node)
+
+    @cached_property
+    def remote(self) -> tuple[int, ...]:
+        """The group ranks on other nodes than this rank's."""
+        return tuple(j for j in range(len(self.node)) if not self._fast[j])
 
     def at(self, node: int, lane: int) -> int:
         return next(j for j in range(len(self.node)) if self.node[j] == node and self.lane[j] == lane)
@@ -118,6 +128,12 @@ class Selection:
         """Every rank sends ``len(active)`` rows: a count the settings fix, known everywhere."""
         return cls(active, (active.numel(),) * world)
 
+    @cached_property
+    def index_bytes(self) -> torch.Tensor:
+        """The indices as they travel ahead of the rows (int32, as bytes): once for every
+        destination and every exchange that follows this selection."""
+        return _bytes(self.active.to(torch.int32))
+
 
 def agree_counts(active: torch.Tensor, group: Any) -> Selection:
     """Every rank's count on every rank: one all-gather of one integer (collective; it reads the
@@ -128,20 +144,6 @@ def agree_counts(active: torch.Tensor, group: Any) -> Selection:
     order.launched(group, "all_gather_into_tensor")
     dist.all_gather_into_tensor(counts, mine, group=group)
     return Selection(active, tuple(counts.tolist()))
-
-
-def sent_bytes(x: torch.Tensor, rows: Rows, level: SlowLevel, by_receiver: bool = False) -> tuple[int, int]:
-    """Bytes this rank's data sends to other nodes: (sparse: ``rows``, with their indices unless
-    the receivers know them; exact)."""
-    w, p, s, d = x.shape
-    remote = [j for j in range(w) if not level.fast(j)]
-    shapes = [rows[j].shape for j in remote] if isinstance(rows, dict) else [rows.shape[1:]] * len(remote)
-    sparse = sum(math.prod(shape) * _itemsize(rows) + _index_bytes(shape[1], s, by_receiver) for shape in shapes)
-    return sparse, len(remote) * p * s * d * x.element_size()
-
-
-def _itemsize(rows: Rows) -> int:
-    return next(iter(rows.values())).element_size() if isinstance(rows, dict) else rows.element_size()
 
 
 def whole_is_smaller(k: int, s: int, row_bytes: int) -> bool:
@@ -216,9 +218,9 @@ class SparseHandle:
         self._level, self._into = level, into
         self._residual = residual
         self._by_receiver, self._active = by_receiver, selection.active
-        self._full_bytes = x[0].numel() * x.element_size()
-        remote = next((j for j in range(w) if not level.fast(j)), None)
-        sample = x if remote is None else rows[remote]  # rows as they travel: [P, k, d'] in their dtype
+        self._full_bytes = p * s * d * x.element_size()
+        remote = level.remote
+        sample = rows[remote[0]] if remote else x  # rows as they travel: [P, k, d'] in their dtype
         self._rows_dtype = sample.dtype
         self._width = sample.shape[-1]  # d, or what an encoded row takes
         self._row_bytes = p * self._width * sample.element_size()
@@ -230,19 +232,25 @@ class SparseHandle:
         self._two_phase = two_phase
         self._placed = False  # wait() places the received rows once
         self._in_place = False  # node-mates' chunks received straight into ``into``
+        self._every: torch.Tensor | None = None  # arange(s), once
+        #: What this rank sends to other nodes, and what the exact exchange would (bytes).
+        self.slow_bytes = sum(self._size(level.me, j) for j in remote)
+        self.exact_bytes = len(remote) * self._full_bytes
         device = x.device
-        indices = None  # the same for every destination
-        if _index_bytes(selection.active.numel(), s, by_receiver):
-            indices = _bytes(selection.active.to(torch.int32))
+        indices = selection.index_bytes if _index_bytes(selection.active.numel(), s, by_receiver) else None
         chunks = _bytes(x).view(w, -1).unbind(0)
         if not two_phase:
-            inp = [chunks[j] if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
             sizes = [self._bytes_from(j) for j in range(w)]
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
-                self._pending = flat.start_flat_all_to_all(torch.cat(inp), group, sizes, [t.numel() for t in inp])
+                pieces = []
+                for j in range(w):
+                    pieces += [chunks[j]] if level.fast(j) else [_bytes(rows[j])] if indices is None else [indices, _bytes(rows[j])]
+                sent = [self._full_bytes if level.fast(j) else self._size(level.me, j) for j in range(w)]
+                self._pending = flat.start_flat_all_to_all(torch.cat(pieces), group, sizes, sent)
                 self._received = None
                 self._sizes = sizes
                 return
+            inp = [chunks[j] if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
             # Node-mates' chunks land in place (all their rows are replaced); other nodes' rows apart.
             self._in_place = into.is_contiguous()
             placed = into.view(w, -1).view(torch.uint8).unbind(0) if self._in_place else None
@@ -336,21 +344,23 @@ class SparseHandle:
         return into
 
     def _place(self, into: torch.Tensor, j: int, piece: torch.Tensor) -> None:
-        _, p, s, d = into.shape
         if self._level.fast(j):
             if not self._in_place:
                 into[j].view(-1).view(torch.uint8).copy_(piece)
             return
         k = self._rows(j, self._level.me)
-        index = _index_bytes(k, s, self._by_receiver)
+        s = self._tokens
         every = k == s and not self._by_receiver  # every row, in order: no index travels
         if self._by_receiver:
-            active = self._active
-        elif not every:
+            active, index = self._active, 0
+        elif every:
+            active, index = None, 0
+        else:
+            index = k * _INDEX_BYTES
             active = _view(piece[:index], torch.int32).long()
         if self._peers is not None:
-            self._peers[j] = torch.arange(s, device=into.device) if every else active
-        rows = _view(piece[index:], self._rows_dtype).view(p, k, self._width)
+            self._peers[j] = self._in_order() if every else active
+        rows = _view(piece[index:], self._rows_dtype).view(into.shape[1], k, self._width)
         if self._decode is not None:
             rows = self._decode(rows)
         if every and self._residual:
@@ -361,3 +371,9 @@ class SparseHandle:
             into[j].index_add_(1, active, rows.to(into.dtype))
         else:
             into[j].index_copy_(1, active, rows)
+
+    def _in_order(self) -> torch.Tensor:
+        """Every row's index, in order (what a sender that sends every row sent)."""
+        if self._every is None:
+            self._every = torch.arange(self._tokens, device=self._into.device)
+        return self._every

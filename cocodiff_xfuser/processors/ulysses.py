@@ -40,10 +40,18 @@ class PendingExchange:
 
     With V-Major (``layer`` for V's exchange, then V's decision ``v_major`` for Q/K's), the
     exchange may be sparse over slow links and lands in the layer's cache of its previous result.
+    At a sparse step whose Q and K follow V's selection, V's exchange waits to ride with Q/K's
+    (``carrying``): its rows then travel in Q/K's messages, and the layer posts one input exchange,
+    not two (:attr:`vmajor.Step.v_rides`).
     """
 
     def __init__(
-        self, tensors: tuple[torch.Tensor, ...], label: str, layer: vmajor.Layer | None = None, v_major: vmajor.Step | None = None
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        label: str,
+        layer: vmajor.Layer | None = None,
+        v_major: vmajor.Step | None = None,
+        carrying: PendingExchange | None = None,
     ) -> None:
         active = backend.active()
         world = active.world_size
@@ -56,10 +64,16 @@ class PendingExchange:
         padding.count(self._nbytes, heads, h)
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
-        self._covered = None
+        self._name = "v" if layer is not None else "qk"
+        self._covered: _Covered | None = None
+        self._riding: torch.Tensor | None = None  # V's data, waiting for Q/K's exchange to carry it
+        self._carried = False
+        self._exchanged = None
         if v_major is None and (layer is None or active.slow_level is None or layer.stopped()):
             # Exact: the head blocks are written once, in the order the chosen exchange sends.
             self._handle = active.start_heads(tensors, label)
+            if carrying is not None:
+                carrying.start_alone()
         else:
             # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
             stacked = comm_layout.heads(tensors, (world,), (0,))
@@ -67,81 +81,117 @@ class PendingExchange:
                 bookkeeping = time.perf_counter()
                 v_major = layer.begin(stacked)
                 commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-            self._covered = _Covered.start(stacked, "v" if layer is not None else "qk", label, v_major)
+                if v_major.v_rides:
+                    self.v_major, self._riding, self._handle, self._calibration = v_major, stacked, None, False
+                    return
+            parts = [(self._name, stacked)]
+            if carrying is not None and carrying._riding is not None and v_major.covers("qk", stacked):
+                parts.append(("v", carrying._riding))
+                self._nbytes += carrying._nbytes
+            elif carrying is not None:
+                carrying.start_alone()
+            self._covered = _Covered.start(parts, label, v_major)
             self._handle = active.start(stacked, label) if self._covered is None else self._covered.handle
+            if len(parts) == 2:
+                carrying._riding, carrying._covered, carrying._handle, carrying._carried = None, self._covered, self._handle, True
         self.v_major = None if self._covered is None else v_major
         self._calibration = commstats.calibrating(label, self._nbytes)
         self._exchanged = self._result() if self._calibration else None
 
+    def start_alone(self) -> None:
+        """Start V's exchange where it waited to ride with Q/K's and they cannot carry it."""
+        if self._riding is not None:
+            stacked, self._riding = self._riding, None
+            self._covered = _Covered.start([("v", stacked)], self._label, self.v_major)
+            self._handle = self._covered.handle
+
     def _result(self) -> torch.Tensor:
-        return self._handle.wait() if self._covered is None else self._covered.wait()
+        return self._handle.wait() if self._covered is None else self._covered.wait(self._name)
 
     def advance(self) -> None:
         """Launch the exchange's next phase (the slow links; on NCCL/XCCL without blocking the host)."""
-        if self._exchanged is None:
+        if self._exchanged is None and self._handle is not None:
             self._handle.advance()
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         waited = time.perf_counter()
+        self.start_alone()  # a V that nothing carried
         exchanged = self._result() if self._exchanged is None else self._exchanged
-        if commstats.enabled():
+        if commstats.enabled() and not self._carried:  # a carried V's bytes and time are Q/K's
             detect().synchronize(exchanged.device)
             commstats.record_async(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
-        return comm_layout.sequence(exchanged.view(self._stacked_shape), self._n)
+        return comm_layout.sequence(exchanged.reshape(self._stacked_shape), self._n)
 
 
 class _Covered:
-    """An exchange that a V-Major decision covers: ``name`` ('v', 'qk' or 'o') of destination-major
-    ``[W, n, b, h/W, s, d]`` data, exact at a full step, else sparse over slow links into the
-    layer's cache of its previous result, which its result becomes."""
+    """Exchanges that a V-Major decision covers, in one: ``parts``, each ``(name, data)`` with
+    ``name`` 'v', 'qk' or 'o' and ``data`` destination-major ``[W, n, b, h/W, s, d]``, exact at a
+    full step, else sparse over slow links into the layer's cache of its previous result, which
+    its result becomes (several parts only at a sparse step: V riding with Q/K)."""
 
     @classmethod
-    def start(cls, stacked: torch.Tensor, name: str, label: str, step: vmajor.Step | None) -> _Covered | None:
+    def start(cls, parts: list[tuple[str, torch.Tensor]], label: str, step: vmajor.Step | None) -> _Covered | None:
         """The exchange started, or None where ``step`` does not cover it (the caller's exact exchange)."""
-        if step is None or not step.covers(name, stacked):
+        if step is None or not all(step.covers(name, x) for name, x in parts):
             return None
-        return cls(stacked, name, label, step)
+        return cls(parts, label, step)
 
-    def __init__(self, stacked: torch.Tensor, name: str, label: str, step: vmajor.Step) -> None:
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], label: str, step: vmajor.Step) -> None:
         active = backend.active()
-        self._name, self._step, self._shape = name, step, stacked.shape
+        self._step = step
+        self._names = names = tuple(name for name, _ in parts)
+        self._results: dict[str, torch.Tensor] | None = None
+        stacked = parts[0][1] if len(parts) == 1 else torch.cat([x for _, x in parts], dim=1)
+        self._shape = stacked.shape
         bookkeeping = time.perf_counter()
         if step.active is None:
-            step.rows(name, stacked)
+            step.rows(names, stacked)
             commstats.count_v_major_time(time.perf_counter() - bookkeeping)
             self.handle = active.start(stacked, label)
             return
         world, n, b, heads, s, d = stacked.shape
         if step.selection is None:  # set by V's exchange; Q/K's and the output's reuse it
             step.selection = Selection.fixed(step.active, world) if step.fixed else agree_counts(step.active, active.group)
-        rows, residual = step.rows(name, stacked)
+        rows, residual = step.rows(names, stacked)
         commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-        commstats.count_v_major_sparse(name)
+        commstats.count_v_major_sparse("+".join(names))
         planes = n * b * heads  # [W, n, b, h/W, s, d] as [W, planes, s, d]
-        if name == "o":  # the receivers' tokens, a different number per receiver where counts are agreed
+        if names == ("o",):  # the receivers' tokens, a different number per receiver where counts are agreed
             rows = {j: r.reshape(planes, r.shape[3], d) for j, r in rows.items()}
         else:
             rows = rows.view(world, planes, rows.shape[4], d)
-        into = step.caches.received[name].view(world, planes, s, d)
+        received = step.caches.received[names[0]] if len(names) == 1 else step.caches.joined("received", names)
         self.handle = active.start_sparse(
-            stacked.view(world, planes, s, d), rows, step.selection, into, label, residual,
-            by_receiver=name == "o", peers=step.peers if name == "v" else None,
+            stacked.view(world, planes, s, d), rows, step.selection, received.reshape(world, planes, s, d), label, residual,
+            by_receiver=names == ("o",), peers=step.peers if "v" in names else None,
         )
 
-    def wait(self) -> torch.Tensor:
-        exchanged = self.handle.wait().view(self._shape)
-        self._step.caches.received[self._name] = exchanged
-        return exchanged
+    def wait(self, name: str) -> torch.Tensor:
+        """The exchanged ``name`` part (``[W, n, b, h/W, s, d]``), also kept as the receivers' copy."""
+        if self._results is None:
+            exchanged = self.handle.wait().view(self._shape)
+            caches = self._step.caches
+            if len(self._names) == 1:
+                caches.received[self._names[0]] = exchanged
+            else:
+                caches.split("received", self._names, exchanged)
+            self._results = {part: caches.received[part] for part in self._names}
+        return self._results[name]
 
 
 def start_input_exchange(
-    *tensors: torch.Tensor, label: str = "qk", layer: vmajor.Layer | None = None, v_major: vmajor.Step | None = None
+    *tensors: torch.Tensor,
+    label: str = "qk",
+    layer: vmajor.Layer | None = None,
+    v_major: vmajor.Step | None = None,
+    carrying: PendingExchange | None = None,
 ) -> PendingExchange:
     """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors, asynchronously.
 
-    ``layer``: V's exchange of a layer under V-Major; ``v_major``: Q/K's, following V's decision.
+    ``layer``: V's exchange of a layer under V-Major; ``v_major``: Q/K's, following V's decision;
+    ``carrying``: V's exchange, which rides with these where it waits to (else it starts now).
     """
-    return PendingExchange(tensors, label, layer, v_major)
+    return PendingExchange(tensors, label, layer, v_major, carrying)
 
 
 def attention(
@@ -182,8 +232,9 @@ def attention(
             "total_steps": get_ring_parallel_world_size(),
         }
     if query.shape == key.shape:
-        query, key = start_input_exchange(query, key, v_major=value.v_major).wait()
+        query, key = start_input_exchange(query, key, v_major=value.v_major, carrying=value).wait()
     else:  # the query carries the joint tokens: two exchanges, both in flight together
+        value.start_alone()
         pending_q, pending_k = start_input_exchange(query, label="q"), start_input_exchange(key, label="k")
         (query,), (key,) = pending_q.wait(), pending_k.wait()
     v_major = value.v_major
@@ -212,9 +263,9 @@ def output_exchange(out: torch.Tensor, v_major: vmajor.Step | None = None) -> to
     b, h, s, d = out.shape
     if v_major is not None:
         stacked = out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
-        covered = _Covered.start(stacked, "o", "out", v_major)
+        covered = _Covered.start([("o", stacked)], "out", v_major)
         if covered is not None:
-            exchanged = commstats.timed_exchange(lambda _: covered.wait(), stacked)
+            exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
             return exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d)
     exchanged = commstats.timed_exchange(lambda t: active.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
     return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)

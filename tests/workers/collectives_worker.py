@@ -637,14 +637,18 @@ def case_sparse() -> None:
             every = sparse.Selection.fixed(torch.arange(s), WORLD)
             check(same_bits(sparse.SparseHandle(x, x, every, level, group, True, prev.clone()).wait(),
                             flat_all_to_all(x.flatten(), group).view(x.shape)), f"{spec}: all active != exact")
-        slow, exact = sparse.sent_bytes(x, rows, level)
-        remote = sum(not level.fast(j) for j in range(WORLD))
+        handle = sparse.SparseHandle(x, rows, sel, level, group, False, prev.clone(), collective=True)
+        handle.wait()
+        remote = level.remote
         k = int(mask.sum())
         size = x.element_size()
         index = 4 if k < s else 0  # every row goes in order, without indices
-        check(exact == remote * s * p * d * size and slow == remote * k * (p * d * size + index), f"{spec}: sent bytes")
-        slow, _ = sparse.sent_bytes(x, {j: rows[j] for j in range(WORLD) if not level.fast(j)}, level, by_receiver=True)
-        check(slow == remote * k * p * d * size, f"{spec}: sent bytes without indices")
+        check(handle.exact_bytes == len(remote) * s * p * d * size and handle.slow_bytes == len(remote) * k * (p * d * size + index),
+              f"{spec}: sent bytes")
+        handle = sparse.SparseHandle(x, {j: x[j].index_select(1, masks[j].nonzero().flatten()) for j in remote}, sel, level, group,
+                                     False, prev.clone(), collective=True, by_receiver=True)
+        handle.wait()
+        check(handle.slow_bytes == sum(sel.counts[j] for j in remote) * p * d * size, f"{spec}: sent bytes without indices")
     flat = sparse.build_slow_levels(Topology.parse(f"1x{WORLD}"), groups)[tuple(range(WORLD))]
     check(not flat.exists, "one node: no slow level")
 
