@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+import functools
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -167,8 +168,28 @@ _INDEX_BYTES = 4
 
 
 def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Received bytes as ``dtype`` (copied first where a relayed piece starts off its alignment)."""
-    return (data if data.storage_offset() % dtype.itemsize == 0 else data.clone()).view(dtype)
+    """Received bytes (a piece, or pieces ``[n, bytes]``) as ``dtype``, copied first where they start
+    off its alignment (relayed pieces, pieces of sizes it does not divide)."""
+    aligned = data.storage_offset() % dtype.itemsize == 0 and (data.dim() == 1 or data.stride(0) % dtype.itemsize == 0)
+    return (data if aligned else data.clone()).view(dtype)
+
+
+def _runs(ranks: Sequence[int]) -> list[tuple[int, ...]]:
+    """``ranks`` (increasing) as runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for j in ranks:
+        if runs and runs[-1][-1] == j - 1:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return [tuple(run) for run in runs]
+
+
+@functools.lru_cache(maxsize=64)
+def _plane_rows(sources: tuple[int, ...], planes: int, s: int, device: torch.device) -> torch.Tensor:
+    """``(j * planes + plane) * s`` for each source j and plane: ``[len(sources), planes, 1]``."""
+    j = torch.tensor(sources, device=device).view(-1, 1, 1)
+    return (j * planes + torch.arange(planes, device=device).view(1, -1, 1)) * s
 
 
 def _payload(rows: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
@@ -241,21 +262,29 @@ class SparseHandle:
         chunks = _bytes(x).view(w, -1).unbind(0)
         if not two_phase:
             sizes = [self._bytes_from(j) for j in range(w)]
+            # Other nodes' pieces, placed together per run of consecutive group ranks (back to back).
+            self._runs = _runs(remote)
+            self._sizes = sizes
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
                 pieces = []
                 for j in range(w):
                     pieces += [chunks[j]] if level.fast(j) else [_bytes(rows[j])] if indices is None else [indices, _bytes(rows[j])]
                 sent = [self._full_bytes if level.fast(j) else self._size(level.me, j) for j in range(w)]
                 self._pending = flat.start_flat_all_to_all(torch.cat(pieces), group, sizes, sent)
-                self._received = None
-                self._sizes = sizes
+                self._received = self._run_buffers = None
                 return
             inp = [chunks[j] if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
             # Node-mates' chunks land in place (all their rows are replaced); other nodes' rows apart.
             self._in_place = into.is_contiguous()
             placed = into.view(w, -1).view(torch.uint8).unbind(0) if self._in_place else None
-            self._received = [placed[j] if self._in_place and level.fast(j) else torch.empty(sizes[j], dtype=torch.uint8, device=device)
-                              for j in range(w)]
+            self._received = [placed[j] if self._in_place and level.fast(j) else None for j in range(w)]
+            self._run_buffers = {run: torch.empty(sum(sizes[j] for j in run), dtype=torch.uint8, device=device) for run in self._runs}
+            for run, buffer in self._run_buffers.items():
+                for j, piece in zip(run, buffer.split([sizes[j] for j in run])):
+                    self._received[j] = piece
+            for j in range(w):
+                if self._received[j] is None:
+                    self._received[j] = torch.empty(sizes[j], dtype=torch.uint8, device=device)
             self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
@@ -332,16 +361,53 @@ class SparseHandle:
             if self._received is None:
                 self._received = received.split(self._sizes)
             for j, piece in enumerate(self._received):
-                self._place(into, j, piece)
+                if self._level.fast(j):
+                    self._place(into, j, piece)
+            for run in self._runs:
+                if self._run_buffers is not None:
+                    self._place_run(into, run, self._run_buffers[run])
+                else:  # the collective's output: source after source
+                    start = sum(self._sizes[: run[0]])
+                    self._place_run(into, run, received[start : start + sum(self._sizes[j] for j in run)])
             return into
         self.advance()
         self._phase2.wait()
         for j, piece in self._full.items():
             self._place(into, j, piece)
         for srcs, slot in self._sources:
-            for j, piece in zip(srcs, self._phase2_out[slot].split([self._size(j, self._level.me) for j in srcs])):
-                self._place(into, j, piece)
+            self._place_run(into, srcs, self._phase2_out[slot])
         return into
+
+    def _place_run(self, into: torch.Tensor, sources: Sequence[int], pieces: torch.Tensor) -> None:
+        """Place the pieces from ``sources`` (ranks on other nodes), back to back in ``pieces``: with
+        one index for all of them where they are alike (the same count, nothing to decode)."""
+        me = self._level.me
+        sizes = [self._size(j, me) for j in sources]
+        k = self._rows(sources[0], me)
+        if len(sources) == 1 or k == 0 or len(set(sizes)) > 1 or self._decode is not None or not into.is_contiguous():
+            for j, piece in zip(sources, pieces.split(sizes)):
+                self._place(into, j, piece)
+            return
+        n, (_, p, s, d) = len(sources), into.shape
+        pieces = pieces.view(n, sizes[0])
+        every = k == s and not self._by_receiver  # every row, in order: no index travels
+        index = 0 if every or self._by_receiver else k * _INDEX_BYTES
+        if self._by_receiver:
+            active = self._active.view(1, k)
+        elif every:
+            active = self._in_order().view(1, k)
+        else:
+            active = _view(pieces[:, :index], torch.int32).long()
+        if self._peers is not None:
+            for i, j in enumerate(sources):
+                self._peers[j] = active[min(i, active.shape[0] - 1)]
+        rows = _view(pieces[:, index:], self._rows_dtype).view(n, p, k, self._width)
+        # Row (j, plane, token) of ``into`` as one index: (j * P + plane) * s + token.
+        at = (_plane_rows(tuple(sources), p, s, into.device) + active.view(-1, 1, k)).view(-1)
+        if self._residual:
+            into.view(-1, d).index_add_(0, at, rows.reshape(-1, d).to(into.dtype))
+        else:
+            into.view(-1, d).index_copy_(0, at, rows.reshape(-1, d))
 
     def _place(self, into: torch.Tensor, j: int, piece: torch.Tensor) -> None:
         if self._level.fast(j):
