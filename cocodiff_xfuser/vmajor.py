@@ -8,7 +8,8 @@ previous result of the exchange and update its active rows. With scope ``qkv`` t
 exchanges of the layer follow V's selection (the paper's reading); with scope ``v`` they are exact;
 with ``qkvo`` the output exchange follows it too: a rank's output rows are its own tokens, so each
 sender sends a rank on another node its attention output at that rank's active tokens, whose
-indices it received with V's rows (nothing more travels), and keeps its own reference.
+indices it received with V's rows (nothing more travels), and keeps its own reference. Where Q
+and K follow, a sparse step's V rows ride in Q/K's exchange (:attr:`Step.v_rides`).
 
 Decisions that change which collectives run (full or sparse exchange at this step, whether a
 layer fits the cache budget, how many rows each rank sends) depend only on the step, the shapes,

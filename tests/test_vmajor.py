@@ -149,6 +149,22 @@ def test_budget_share_is_the_fewest_tokens_meeting_the_error():
     assert float(vmajor._share_needed(torch.zeros(10), v, 0.1)[0]) == 0.0
 
 
+def test_joined_caches_are_views_of_one_tensor_until_an_entry_is_replaced():
+    """V riding with Q/K: their references and results kept as views of one tensor, so a layer
+    that rides at every step joins them without copying; an exact step's new entry joins anew."""
+    caches = vmajor._Caches((4, 1, 1, 2, 8, 4))
+    caches.reference["qk"], caches.reference["v"] = torch.randn(4, 2, 1, 2, 8, 4), torch.randn(4, 1, 1, 2, 8, 4)
+    qk, v = caches.reference["qk"].clone(), caches.reference["v"].clone()
+    joined = caches.joined("reference", ("qk", "v"))
+    assert torch.equal(joined, torch.cat([qk, v], dim=1))
+    joined.add_(1.0)  # what a sparse step's residuals do: the entries see it
+    assert torch.equal(caches.reference["qk"], qk + 1) and torch.equal(caches.reference["v"], v + 1)
+    assert caches.joined("reference", ("qk", "v")) is joined  # no copy
+    caches.reference["v"] = v  # an exact step's V
+    again = caches.joined("reference", ("qk", "v"))
+    assert again is not joined and torch.equal(again, torch.cat([qk + 1, v], dim=1))
+
+
 def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
     cal = tmp_path / "cal.yaml"
     cal.write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0}, {error: 0.2, psnr_db: 30.0}, {error: 0.4, psnr_db: 31.0}]}\n"

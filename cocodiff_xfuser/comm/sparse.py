@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-import functools
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Callable, Sequence
 
 import torch
@@ -185,7 +184,7 @@ def _runs(ranks: Sequence[int]) -> list[tuple[int, ...]]:
     return [tuple(run) for run in runs]
 
 
-@functools.lru_cache(maxsize=64)
+@lru_cache(maxsize=64)
 def _plane_rows(sources: tuple[int, ...], planes: int, s: int, device: torch.device) -> torch.Tensor:
     """``(j * planes + plane) * s`` for each source j and plane: ``[len(sources), planes, 1]``."""
     j = torch.tensor(sources, device=device).view(-1, 1, 1)
@@ -398,9 +397,9 @@ class SparseHandle:
             active = self._in_order().view(1, k)
         else:
             active = _view(pieces[:, :index], torch.int32).long()
-        if self._peers is not None:
+        if self._peers is not None:  # one row of indices per source, or one that all share
             for i, j in enumerate(sources):
-                self._peers[j] = active[min(i, active.shape[0] - 1)]
+                self._peers[j] = active[i if active.shape[0] > 1 else 0]
         rows = _view(pieces[:, index:], self._rows_dtype).view(n, p, k, self._width)
         # Row (j, plane, token) of ``into`` as one index: (j * P + plane) * s + token.
         at = (_plane_rows(tuple(sources), p, s, into.device) + active.view(-1, 1, k)).view(-1)

@@ -5,7 +5,9 @@ V-First processor instead starts V's exchange as soon as V is projected
 (:func:`start_input_exchange`), computes Q/K while it is in flight, and hands everything to
 :func:`attention`, which exchanges Q and K, waits for V and runs the same attention function,
 ring merge and output exchange as ``USP``. The exchanges move the same bytes to the same
-places, so the output is bitwise that of stock Ulysses. Head and token counts that the Ulysses
+places, so the output is bitwise that of stock Ulysses. Under V-Major, at a sparse step whose Q and
+K follow V's selection, V's few changed rows ride in Q/K's exchange instead: one input exchange
+per layer, not two (:attr:`cocodiff_xfuser.vmajor.Step.v_rides`). Head and token counts that the Ulysses
 degree does not divide, which stock refuses (or, for FLUX text, attends once per rank), are padded
 here (:mod:`cocodiff_xfuser.padding`): attention stays exact, the bits are no longer stock's.
 """
@@ -93,10 +95,14 @@ class PendingExchange:
             self._covered = _Covered.start(parts, label, v_major)
             self._handle = active.start(stacked, label) if self._covered is None else self._covered.handle
             if len(parts) == 2:
-                carrying._riding, carrying._covered, carrying._handle, carrying._carried = None, self._covered, self._handle, True
+                carrying._carried_by(self._covered)
         self.v_major = None if self._covered is None else v_major
         self._calibration = commstats.calibrating(label, self._nbytes)
         self._exchanged = self._result() if self._calibration else None
+
+    def _carried_by(self, covered: _Covered) -> None:
+        """V's rows left with Q/K's exchange ``covered``, which holds V's result."""
+        self._riding, self._covered, self._handle, self._carried = None, covered, covered.handle, True
 
     def start_alone(self) -> None:
         """Start V's exchange where it waited to ride with Q/K's and they cannot carry it."""
