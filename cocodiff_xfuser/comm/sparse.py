@@ -265,25 +265,26 @@ class SparseHandle:
             self._runs = _runs(remote)
             self._sizes = sizes
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
-                pieces = []
+                pieces = []  # what _payload would build, without a copy of each destination's
                 for j in range(w):
-                    pieces += [chunks[j]] if level.fast(j) else [_bytes(rows[j])] if indices is None else [indices, _bytes(rows[j])]
+                    if level.fast(j):
+                        pieces.append(chunks[j])
+                    else:
+                        pieces += [_bytes(rows[j])] if indices is None else [indices, _bytes(rows[j])]
                 sent = [self._full_bytes if level.fast(j) else self._size(level.me, j) for j in range(w)]
                 self._pending = flat.start_flat_all_to_all(torch.cat(pieces), group, sizes, sent)
                 self._received = self._run_buffers = None
                 return
             inp = [chunks[j] if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
-            # Node-mates' chunks land in place (all their rows are replaced); other nodes' rows apart.
+            # Node-mates' chunks land in place (all their rows are replaced); other nodes' pieces
+            # back to back per run of ranks.
             self._in_place = into.is_contiguous()
             placed = into.view(w, -1).view(torch.uint8).unbind(0) if self._in_place else None
-            self._received = [placed[j] if self._in_place and level.fast(j) else None for j in range(w)]
             self._run_buffers = {run: torch.empty(sum(sizes[j] for j in run), dtype=torch.uint8, device=device) for run in self._runs}
-            for run, buffer in self._run_buffers.items():
-                for j, piece in zip(run, buffer.split([sizes[j] for j in run])):
-                    self._received[j] = piece
-            for j in range(w):
-                if self._received[j] is None:
-                    self._received[j] = torch.empty(sizes[j], dtype=torch.uint8, device=device)
+            remote_pieces = {j: piece for run, buffer in self._run_buffers.items()
+                             for j, piece in zip(run, buffer.split([sizes[j] for j in run]))}
+            self._received = [remote_pieces[j] if j in remote_pieces else placed[j] if self._in_place
+                              else torch.empty(sizes[j], dtype=torch.uint8, device=device) for j in range(w)]
             self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
