@@ -68,7 +68,8 @@ class PendingExchange:
         self._started = time.perf_counter()
         self._name = "v" if layer is not None else "qk"
         self._covered: _Covered | None = None
-        self._riding: torch.Tensor | None = None  # V's data, waiting for Q/K's exchange to carry it
+        # V waiting for Q/K's exchange to carry it: destination-major, and as given ([b, h, s, d]).
+        self._riding: tuple[torch.Tensor, torch.Tensor] | None = None
         self._carried = False
         self._exchanged = None
         if v_major is None and (layer is None or active.slow_level is None or layer.stopped()):
@@ -77,6 +78,13 @@ class PendingExchange:
             if carrying is not None:
                 carrying.start_alone()
         else:
+            names = (self._name,)
+            if carrying is not None and carrying._rides_with(self._stacked_shape, v_major):
+                # Q, K and V written once, side by side (the layout of xfuser's combined exchange).
+                names, tensors = (self._name, "v"), (*tensors, carrying._riding[1])
+                self._nbytes += carrying._nbytes
+            elif carrying is not None:
+                carrying.start_alone()
             # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
             stacked = comm_layout.heads(tensors, (world,), (0,))
             if layer is not None:
@@ -84,21 +92,20 @@ class PendingExchange:
                 v_major = layer.begin(stacked)
                 commstats.count_v_major_time(time.perf_counter() - bookkeeping)
                 if v_major.v_rides:
-                    self.v_major, self._riding, self._handle, self._calibration = v_major, stacked, None, False
+                    self.v_major, self._riding, self._handle, self._calibration = v_major, (stacked, tensors[0]), None, False
                     return
-            parts = [(self._name, stacked)]
-            if carrying is not None and carrying._riding is not None and v_major.covers("qk", stacked):
-                parts.append(("v", carrying._riding))
-                self._nbytes += carrying._nbytes
-            elif carrying is not None:
-                carrying.start_alone()
-            self._covered = _Covered.start(parts, label, v_major)
+            self._covered = _Covered.start(names, stacked, label, v_major)
             self._handle = active.start(stacked, label) if self._covered is None else self._covered.handle
-            if len(parts) == 2:
+            if len(names) == 2:
                 carrying._carried_by(self._covered)
         self.v_major = None if self._covered is None else v_major
         self._calibration = commstats.calibrating(label, self._nbytes)
         self._exchanged = self._result() if self._calibration else None
+
+    def _rides_with(self, shape: tuple[int, ...], step: vmajor.Step) -> bool:
+        """Whether this waiting V can travel in the exchange of destination-major Q/K of ``shape``:
+        V's shape but for the number of tensors, and ``step`` covers Q/K of that shape."""
+        return self._riding is not None and self._riding[0].shape[2:] == shape[2:] and step.covers("qk", self._riding[0])
 
     def _carried_by(self, covered: _Covered) -> None:
         """V's rows left with Q/K's exchange ``covered``, which holds V's result."""
@@ -107,8 +114,8 @@ class PendingExchange:
     def start_alone(self) -> None:
         """Start V's exchange where it waited to ride with Q/K's and they cannot carry it."""
         if self._riding is not None:
-            stacked, self._riding = self._riding, None
-            self._covered = _Covered.start([("v", stacked)], self._label, self.v_major)
+            (stacked, _), self._riding = self._riding, None
+            self._covered = _Covered.start(("v",), stacked, self._label, self.v_major)
             self._handle = self._covered.handle
 
     def _result(self) -> torch.Tensor:
@@ -130,24 +137,23 @@ class PendingExchange:
 
 
 class _Covered:
-    """Exchanges that a V-Major decision covers, in one: ``parts``, each ``(name, data)`` with
-    ``name`` 'v', 'qk' or 'o' and ``data`` destination-major ``[W, n, b, h/W, s, d]``, exact at a
-    full step, else sparse over slow links into the layer's cache of its previous result, which
-    its result becomes (several parts only at a sparse step: V riding with Q/K)."""
+    """An exchange that a V-Major decision covers: ``names`` ('v', 'qk' or 'o'; 'qk' and 'v'
+    together where V rides with Q/K at a sparse step) of destination-major ``[W, n, b, h/W, s, d]``
+    data (theirs along dim 1, in that order), exact at a full step, else sparse over slow links into
+    the layer's cache of its previous result, which its result becomes."""
 
     @classmethod
-    def start(cls, parts: list[tuple[str, torch.Tensor]], label: str, step: vmajor.Step | None) -> _Covered | None:
+    def start(cls, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: vmajor.Step | None) -> _Covered | None:
         """The exchange started, or None where ``step`` does not cover it (the caller's exact exchange)."""
-        if step is None or not all(step.covers(name, x) for name, x in parts):
+        if step is None or not all(step.covers(name, stacked) for name in names):
             return None
-        return cls(parts, label, step)
+        return cls(names, stacked, label, step)
 
-    def __init__(self, parts: list[tuple[str, torch.Tensor]], label: str, step: vmajor.Step) -> None:
+    def __init__(self, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: vmajor.Step) -> None:
         active = backend.active()
         self._step = step
-        self._names = names = tuple(name for name, _ in parts)
+        self._names = names
         self._results: dict[str, torch.Tensor] | None = None
-        stacked = parts[0][1] if len(parts) == 1 else torch.cat([x for _, x in parts], dim=1)
         self._shape = stacked.shape
         bookkeeping = time.perf_counter()
         if step.active is None:
@@ -269,7 +275,7 @@ def output_exchange(out: torch.Tensor, v_major: vmajor.Step | None = None) -> to
     b, h, s, d = out.shape
     if v_major is not None:
         stacked = out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
-        covered = _Covered.start([("o", stacked)], "out", v_major)
+        covered = _Covered.start(("o",), stacked, "out", v_major)
         if covered is not None:
             exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
             return exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d)
