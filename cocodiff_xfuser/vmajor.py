@@ -309,9 +309,14 @@ class Clock:
         self._last = t
         if self.trial is not None and self.branch == 0:
             device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
-            faster = self.trial.at_step(self.step, device, self.group if self.group is not None else dist.group.WORLD)
+            faster = self.trial.at_step(self.step, device, self._agreement_group())
             if faster is not None:
                 self.trial, self.off = None, not faster
+
+    def _agreement_group(self) -> Any:
+        """The group the clock's agreements run over: the Ulysses group, or WORLD where none was given
+        (looked up when used: a clock can be built before the process group)."""
+        return self.group if self.group is not None else dist.group.WORLD
 
     def exact_step(self) -> bool:
         """Whether this step runs without V-Major (one of auto's timed exact steps)."""
@@ -342,7 +347,7 @@ class Clock:
         device = shares[0].device
         needed = torch.zeros(self.layers, dtype=torch.float32, device=device).index_reduce_(
             0, torch.tensor(layers, device=device), torch.stack(shares).float(), "amax")
-        group = self.group if self.group is not None else dist.group.WORLD
+        group = self._agreement_group()
         order.launched(group, "all_reduce")
         work = dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
         self._agreeing, self.needed = (work, needed), []
