@@ -191,10 +191,15 @@ def _plane_rows(sources: tuple[int, ...], planes: int, s: int, device: torch.dev
     return (j * planes + torch.arange(planes, device=device).view(1, -1, 1)) * s
 
 
-def _payload(rows: torch.Tensor, indices: torch.Tensor | None) -> torch.Tensor:
-    """What goes over a slow link to one destination: the indices (int32, as bytes; None: the
-    receiver knows them), then the rows."""
-    return _bytes(rows) if indices is None else torch.cat([indices, _bytes(rows)])
+def _payload(rows: torch.Tensor, indices: torch.Tensor | None) -> list[torch.Tensor]:
+    """What goes over a slow link to one destination, in order: the indices (int32, as bytes; None:
+    the receiver knows them), then the rows (the caller joins them with what travels beside them)."""
+    return [_bytes(rows)] if indices is None else [indices, _bytes(rows)]
+
+
+def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``pieces`` as one message (no copy where there is one piece)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
@@ -265,17 +270,14 @@ class SparseHandle:
             self._runs = _runs(remote)
             self._sizes = sizes
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
-                pieces = []  # what _payload would build, without a copy of each destination's
+                pieces = []
                 for j in range(w):
-                    if level.fast(j):
-                        pieces.append(chunks[j])
-                    else:
-                        pieces += [_bytes(rows[j])] if indices is None else [indices, _bytes(rows[j])]
+                    pieces += [chunks[j]] if level.fast(j) else _payload(rows[j], indices)
                 sent = [self._full_bytes if level.fast(j) else self._size(level.me, j) for j in range(w)]
                 self._pending = flat.start_flat_all_to_all(torch.cat(pieces), group, sizes, sent)
                 self._received = self._run_buffers = None
                 return
-            inp = [chunks[j] if level.fast(j) else _payload(rows[j], indices) for j in range(w)]
+            inp = [chunks[j] if level.fast(j) else _joined(_payload(rows[j], indices)) for j in range(w)]
             # Node-mates' chunks land in place (all their rows are replaced); other nodes' pieces
             # back to back per run of ranks.
             self._in_place = into.is_contiguous()
@@ -294,7 +296,7 @@ class SparseHandle:
         self._others = [n for n in range(nodes) if n != me_node]
         self._mates = [level.at(me_node, l) for l in range(lanes)]
         inp = [
-            torch.cat([chunks[self._mates[l]]] + [_payload(rows[level.at(n, l)], indices) for n in self._others])
+            torch.cat([chunks[self._mates[l]]] + [piece for n in self._others for piece in _payload(rows[level.at(n, l)], indices)])
             for l in range(lanes)
         ]
         lane = level.lane[level.me]
