@@ -36,7 +36,6 @@ on every rank.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, Callable, Sequence
