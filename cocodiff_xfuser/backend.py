@@ -108,6 +108,12 @@ class CocodiffBackend:
         self._slow_share = _slow_link_share(self.topology, dist.get_process_group_ranks(group), self.rank)
         slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
         v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
+        if not self._slow_share and self.rank == 0:
+            # The layout put the slow links outside Ulysses (ring or CFG across nodes): one line for the job.
+            idle = "V-Major and fp8-slow have" if self.levels else "TAPA, V-Major and fp8-slow have"
+            logger.warning("cocodiff: the Ulysses group %s stays inside one node (topology %s): %s nothing to do "
+                           "there; the groups across nodes (ring, CFG) exchange as stock", self._group_desc,
+                           self.topology, idle)
         self.slow_level = self._slow_level(groups, "V-Major" if v_major else "fp8-slow") if v_major or slow_only else None
         self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[_Reshaping] = []
@@ -119,8 +125,7 @@ class CocodiffBackend:
         """Where the sparse exchanges of ``user`` (V-Major, or fp8-slow) cross nodes (collective:
         builds their sub-groups)."""
         level = sparse.build_slow_levels(self.topology, groups)[tuple(sorted(dist.get_process_group_ranks(self.group)))]
-        if not level.exists:
-            logger.warning("cocodiff: %s off: the Ulysses group has no ranks on other nodes (topology %s)", user, self.topology)
+        if not level.exists:  # said in one line for the job at activation
             commstats.count_fallback(f"{user.lower()}: no slow level")
             return None
         return level
@@ -282,12 +287,13 @@ class CocodiffBackend:
         other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
         add; ``by_receiver``, ``peers`` and ``decode``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s;
         ``kind`` names it in what ran: ``fp8-slow`` sends every row packed).
-        Routed like the exact exchange of the same size: two phases where the autotune chose TAPA,
-        the backend's all-to-all with split sizes where it chose ``flat``, else one point-to-point batch."""
+        Routed like the exact exchange of the same size: two phases where the autotune chose TAPA or
+        the PXN-like relay (both cross nodes on the destination's lane), the backend's all-to-all with
+        split sizes where it chose ``flat``, else one point-to-point batch."""
         algorithm = kind
         try:
             exact_algorithm = self._choose(x.flatten())
-            two_phase = self.slow_level.regular and exact_algorithm == "hierarchical"
+            two_phase = self.slow_level.regular and exact_algorithm in ("hierarchical", "flat-pxn")
             collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
             algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
             exchange = sparse.SparseHandle(

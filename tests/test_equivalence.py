@@ -85,7 +85,7 @@ def generated(tmp_path_factory) -> dict[str, Path]:
         argv = run.argv(BACKENDS, out) + ["--variants", str(out / "variants.json")]
         argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in models)
         env = {DEVICE_SEMANTICS_ENV: "1"} if layout in DEVICE_SEMANTICS else {}
-        launcher.torchrun(run.world_size, argv, env=env, timeout=900)
+        (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, env=env, timeout=900).stderr)
         outputs[layout] = out
     return outputs
 
@@ -155,3 +155,14 @@ def test_stock_ulysses_matches_one_diffusers_process(generated, model, layout):
     stock = _images(generated[layout], model, "ulysses")
     assert stock.shape == reference.shape
     assert compare(reference, stock)["max_abs_diff"] <= SINGLE_PROCESS_ATOL
+
+
+@pytest.mark.parametrize("layout", ["u2r2", "u2cfg2", "u4r1"])
+def test_where_ulysses_stays_inside_a_node_one_line_says_tapa_and_v_major_have_nothing_to_do(generated, layout):
+    lines = [line for line in (generated[layout] / "stderr.txt").read_text().splitlines() if "stays inside one node" in line]
+    if layout == "u4r1":  # Ulysses spans both nodes
+        assert lines == []
+        return
+    # Rank 0 says it once per activation (every cocodiff variant and model of the job activates anew).
+    assert lines and all("TAPA, V-Major and fp8-slow have nothing to do there" in line for line in lines), lines
+    assert len(lines) <= len(BACKENDS[1:]) * len(_models(layout)), lines

@@ -2,13 +2,14 @@
 
 Candidates are the algorithms of :mod:`.registry` that can exchange the message over the group:
 ``flat`` (stock: ``all_to_all_single`` through functional collectives, what xfuser does),
-``flat-p2p`` (the same messages as one batch of point-to-point operations, :mod:`.transport`)
-and ``hierarchical`` (TAPA; groups with a plan of two or more levels), the latter also
-pipelined in 2 or 4 parts for messages of at least ``PIPELINE_MIN_BYTES``. Which wins depends
-on the links, the backend and the message size (Tutel: hierarchical loses for large messages at
-small scale; on a shared node uplink it always loses), so the ``auto`` setting times the
-candidates on the real group the first time a size bucket (next power of two of the bytes per
-rank) is seen, then caches the decision.
+``flat-p2p`` (the same messages as one batch of point-to-point operations, :mod:`.transport`),
+``flat-pxn`` (the flat exchange routed as NCCL's PXN routes it on rails, :mod:`.pxn`; groups
+whose plan is node x local) and ``hierarchical`` (TAPA; groups with a plan of two or more levels),
+the latter also pipelined in 2 or 4 parts for messages of at least ``PIPELINE_MIN_BYTES``.
+Which wins depends on the links, the backend and the message size (Tutel: hierarchical loses for
+large messages at small scale; on a shared node uplink it always loses), so the ``auto`` setting
+times the candidates on the real group the first time a size bucket (next power of two of the
+bytes per rank) is seen, then caches the decision.
 
 Never slower than the fair flat exchange. The reference is the backend's fair flat exchange
 (:func:`.transport.fair_flat`: stock ``flat`` on NCCL and XCCL, whose own all-to-all it is;
@@ -78,6 +79,7 @@ class Decision:
     flat_s: float | None = None
     hierarchical_s: float | None = None
     flat_p2p_s: float | None = None
+    flat_pxn_s: float | None = None
     parts: int = 1  # pipeline parts of the hierarchical exchange
     ratio: float | None = None  # chosen / reference: median of the paired ratios (1 for the reference)
     ratio_upper: float | None = None  # its one-sided 95% upper confidence bound
@@ -224,9 +226,10 @@ class AutoAllToAll:
             self.decisions[key] = self._measure(x, group, *key, candidates)
             d = self.decisions[key]
             logger.info(
-                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, hierarchical %s; %s of %s's time)",
+                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, flat-pxn %s, hierarchical %s;"
+                " %s of %s's time)",
                 list(d.group), d.bucket_bytes, candidate_key(d.algorithm, d.parts), _ms(d.flat_s), _ms(d.flat_p2p_s),
-                _ms(d.hierarchical_s), _ratios_text(d.ratios), d.reference,
+                _ms(d.flat_pxn_s), _ms(d.hierarchical_s), _ratios_text(d.ratios), d.reference,
             )
         self._uses[key] = self._uses.get(key, 0) + 1
         if self._uses[key] == RECHECK_USES and self.decisions[key].algorithm != self.decisions[key].reference:
@@ -329,7 +332,8 @@ class AutoAllToAll:
         ratio, upper = ratios.get(chosen, [1.0, 1.0])
         return Decision(
             ranks, bucket, name, median["flat"], None if hier is None else median[hier], median.get("flat-p2p"),
-            parts=parts, ratio=ratio, ratio_upper=upper, pairs=len(times["flat"]), ratios=ratios, reference=reference,
+            median.get("flat-pxn"), parts=parts, ratio=ratio, ratio_upper=upper, pairs=len(times["flat"]), ratios=ratios,
+            reference=reference,
         )
 
     def _recheck(self, x: torch.Tensor, group: Any, key: tuple[tuple[int, ...], int]) -> None:

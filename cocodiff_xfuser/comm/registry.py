@@ -4,6 +4,10 @@ Every algorithm moves the same bytes to the same places (bitwise the output of `
 functions behind an entry refuse an input they cannot exchange instead of substituting another
 algorithm, so what a counter or a decision says ran is what ran. The autotune
 (:mod:`.autotune`), the backend and the benchmarks choose and start algorithms through here.
+
+``flat`` (stock) and ``flat-p2p`` (:mod:`.flat`) run on any group; ``flat-pxn`` (:mod:`.pxn`, the
+flat exchange routed as NCCL's PXN routes it on rails) and ``hierarchical`` (TAPA, :mod:`.tapa`)
+where the topology gives the group levels.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from typing import Any, Callable
 import torch
 
 from .flat import AllToAllHandle, flat_all_to_all, p2p_all_to_all, p2p_reason, start_flat_all_to_all, start_p2p_all_to_all
+from .pxn import PxnAllToAll
 from .tapa import HierarchicalAllToAll
 
 #: The algorithms, simplest first (on a measured tie the simpler one wins).
-ALGORITHMS = ("flat", "flat-p2p", "hierarchical")
+ALGORITHMS = ("flat", "flat-p2p", "flat-pxn", "hierarchical")
 #: Values of the ``a2a`` setting (``--cocodiff-a2a``): measured per message size, or one algorithm.
 A2A_SETTINGS = ("auto", *ALGORITHMS)
 
@@ -34,7 +39,7 @@ class Algorithm:
 
 
 class Registry:
-    """The algorithms available to one process; ``hierarchical`` exists where TAPA has plans."""
+    """The algorithms available to one process; ``flat-pxn`` and ``hierarchical`` exist where TAPA has plans."""
 
     def __init__(self, tapa: HierarchicalAllToAll | None = None) -> None:
         self.tapa = tapa
@@ -43,6 +48,8 @@ class Registry:
             Algorithm("flat-p2p", p2p_reason, start_p2p_all_to_all, p2p_all_to_all),
         ]
         if tapa is not None:
+            pxn = PxnAllToAll(tapa)
+            entries.append(Algorithm("flat-pxn", pxn.reason, pxn.start, pxn))
             entries.append(Algorithm("hierarchical", tapa.reason, tapa.start, tapa))
         self._entries = {a.name: a for a in entries}
 
@@ -50,13 +57,13 @@ class Registry:
         if name not in ALGORITHMS:
             raise ValueError(f"unknown all-to-all algorithm {name!r}: expected one of {', '.join(ALGORITHMS)}")
         if name not in self._entries:
-            raise ValueError(f"all-to-all algorithm {name!r} needs a topology (no hierarchical plan)")
+            raise ValueError(f"all-to-all algorithm {name!r} needs a topology (no plan of levels)")
         return self._entries[name]
 
     def reason(self, name: str, x: torch.Tensor, group: Any) -> str | None:
         """Why ``name`` cannot exchange ``x`` over ``group`` (None: it can)."""
         if name not in self._entries:
-            return "no topology levels to exchange over" if name == "hierarchical" else f"unknown algorithm {name!r}"
+            return "no topology levels to exchange over" if name in ALGORITHMS else f"unknown algorithm {name!r}"
         return self._entries[name].reason(x, group)
 
     def eligible(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:

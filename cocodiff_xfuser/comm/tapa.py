@@ -74,7 +74,7 @@ class _BufferPool:
 
 
 @dataclass(frozen=True)
-class _GroupPlan:
+class GroupPlan:
     ranks: tuple[int, ...]
     levels: tuple[int, ...]
     level_groups: list[Any]  # this rank's sub-group per level: the ranks differing only in that coordinate
@@ -97,7 +97,7 @@ def _pieces(chunk: torch.Tensor, skip: int, per_slot: bool) -> list[torch.Tensor
 
 
 def _post_level(
-    out: torch.Tensor, data: torch.Tensor, plan: _GroupPlan, level: int, what: str, skip: int = -1
+    out: torch.Tensor, data: torch.Tensor, plan: GroupPlan, level: int, what: str, skip: int = -1
 ) -> transport.Completion:
     """The equal-split exchange of ``data`` into ``out`` (both ``[n, S, c]``, chunk i for level peer
     i) over ``level``'s sub-group, slot ``skip`` of every chunk left out; the own chunk is copied."""
@@ -123,7 +123,7 @@ class HierarchicalHandle:
     def __init__(
         self,
         x: torch.Tensor,
-        plan: _GroupPlan,
+        plan: GroupPlan,
         pool: _BufferPool,
         out: torch.Tensor | None = None,
         layout: Sequence[int] | None = None,
@@ -244,7 +244,7 @@ class TwoLevelHandle:
     inner-first only, 81-91 ms with both routes; docs/benchmarks.md has the current figures.)
     """
 
-    def __init__(self, x: torch.Tensor, plan: _GroupPlan, out: torch.Tensor | None = None) -> None:
+    def __init__(self, x: torch.Tensor, plan: GroupPlan, out: torch.Tensor | None = None) -> None:
         self._plan = plan
         self._shape, self._dtype = x.shape, x.dtype
         data = _readable(x)
@@ -352,8 +352,8 @@ class HierarchicalAllToAll:
         rank = dist.get_rank()
         self.topology = topology
         self._pool = _BufferPool()
-        self._plans: dict[tuple[int, ...], _GroupPlan] = {}
-        self._plan_by_pg: dict[Any, _GroupPlan | None] = {}
+        self._plans: dict[tuple[int, ...], GroupPlan] = {}
+        self._plan_by_pg: dict[Any, GroupPlan | None] = {}
         # Sorted, de-duplicated: every rank creates the same sub-groups in the same order.
         for ranks in sorted({tuple(sorted(g)) for g in groups}):
             try:
@@ -366,7 +366,7 @@ class HierarchicalAllToAll:
                 continue
             level_groups = [subgroups.member_of(sets) for sets in level_subgroups(ranks, levels)]
             if rank in ranks:
-                self._plans[ranks] = _GroupPlan(ranks, tuple(levels), level_groups, ranks.index(rank))
+                self._plans[ranks] = GroupPlan(ranks, tuple(levels), level_groups, ranks.index(rank))
                 logger.info("hierarchical all-to-all for group %s: levels %s", list(ranks), levels)
 
     def input_layout(self, group: Any = None) -> tuple[int, ...]:
@@ -381,12 +381,12 @@ class HierarchicalAllToAll:
 
     def levels(self, group: Any = None) -> tuple[int, ...]:
         """Level sizes of ``group`` on this topology; () when it uses the flat exchange."""
-        plan = self._plan(group)
+        plan = self.plan(group)
         return plan.levels if plan is not None else ()
 
     def reason(self, x: torch.Tensor, group: Any = None, parts: int = 1) -> str | None:
         """Why the hierarchical exchange in ``parts`` cannot exchange ``x`` over ``group`` (None: it can)."""
-        plan = self._plan(group)
+        plan = self.plan(group)
         if plan is None:
             return "the group spans fewer than two topology levels"
         if torch.compiler.is_compiling():
@@ -409,7 +409,7 @@ class HierarchicalAllToAll:
         why = self.reason(x, group, parts)
         if why is not None:
             raise ValueError(f"hierarchical all-to-all: {why}")
-        plan = self._plan(group)
+        plan = self.plan(group)
         if len(plan.levels) == 2:
             start = partial(TwoLevelHandle, plan=plan)
         else:
@@ -425,7 +425,9 @@ class HierarchicalAllToAll:
         """Blocking exchange, same output as ``flat_all_to_all``."""
         return self.start(x, group, parts=parts).wait()
 
-    def _plan(self, group: Any) -> _GroupPlan | None:
+    def plan(self, group: Any = None) -> GroupPlan | None:
+        """The plan of ``group`` (default: world): its levels and their sub-groups; None when it uses
+        the flat exchange. The PXN-like reference (:mod:`.pxn`) relays over the same sub-groups."""
         group = group if group is not None else dist.group.WORLD
         if group not in self._plan_by_pg:
             self._plan_by_pg[group] = self._plans.get(tuple(sorted(dist.get_process_group_ranks(group))))

@@ -11,9 +11,12 @@ stages:
    Ulysses group at the per-rank sizes of the model's exchanges (``cocodiff bench a2a``'s worker),
    written as the calibration: a ``cocodiff bench a2a`` JSON, which ``cocodiff plan --calibrate`` reads;
 3. **prediction**: the planner fitted on that calibration, with a step's compute measured in
-   stage 1, ranks every ulysses x ring factorization and recommends degrees and flags, with the
-   predicted step and gain;
-4. **measurement**: the recommended configuration, run after the prediction.
+   stage 1, ranks every ulysses x ring x CFG layout, stock and with cocodiff;
+4. **measurement**: the planner's best few layouts and the stock layouts an informed user runs
+   (Ulysses inside the node x Ring across nodes, Ulysses x CFG across nodes for CFG models), each
+   stock and with cocodiff; the recommendation is the fastest lossless configuration measured
+   (stock where stock wins: the first line of advice says so), or a lossy one (V-Major) only where
+   ``--min-psnr`` asks for it and its measured PSNR meets it.
 
 Rank 0 reports: a progress bar on stderr, the sections on stdout and, with ``--json``, the report
 as the last line. A failure is one line naming the rank and the reason.
@@ -33,15 +36,22 @@ from typing import Any, Mapping
 
 from cocodiff_xfuser.platform import MPI_ENV, adopt_mpi_environment
 from cocodiff_xfuser.tools import plan as plan_tool
+from cocodiff_xfuser.tools import quality
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
 from cocodiff_xfuser.tools.models import tiny as tiny_models
+from cocodiff_xfuser.tools.verify import Run, compare
 
 DEFAULT_STEPS = 4
 DEFAULT_REPEAT = 2  # timed pipeline calls per configuration, after one that warms up and autotunes
 A2A_REPS = 3
-#: Stage 1, by ``cocodiff bench e2e``'s names: the two baselines, then cocodiff's mechanisms.
-CONFIGS = ("stock", "fair-flat", "tapa", "tapa+vfirst", "tapa+vfirst+vmajor")
+#: Stage 1 on Ulysses over all ranks: stock, the fair flat exchange, then cocodiff's mechanisms
+#: (generate's backend variants).
+CONFIGS = {"stock": "ulysses", "fair-flat": "cocodiff-fair-flat", "tapa": "cocodiff", "tapa+vfirst": "cocodiff+vfirst",
+           "tapa+vfirst+vmajor": "cocodiff+vfirst+vmajor"}
+LOSSY = ("tapa+vfirst+vmajor",)
+#: Stage 4 measures the planner's best this many layouts, besides the informed user's stock layouts.
+MEASURE_TOP = 3
 #: The V-Major image must stay this close to stock's (dB) for the check to pass.
 MIN_PSNR_DB = 30.0
 
@@ -106,7 +116,7 @@ def equivalence(name: str, verdicts: list[dict | None], ran: dict) -> tuple[dict
     """One configuration's row from every rank's comparison with stock (None: that rank got no
     images) and what ran (summed over the ranks: exchanges per algorithm, fall-backs), and a line
     per rank that failed."""
-    lossy = name in bench_e2e.LOSSY
+    lossy = name in LOSSY
     failures = []
     for rank, v in enumerate(verdicts):
         if v is None:
@@ -147,7 +157,8 @@ class Progress:
             self.bar.close()
 
 
-def job(model: str, size: int, steps: int, repeat: int, topology: str | None, out: Path, progress: Progress) -> dict | None:
+def job(model: str, size: int, steps: int, repeat: int, topology: str | None, out: Path, progress: Progress,
+        min_psnr: float | None = None) -> dict | None:
     """The four stages on every rank of the job (collective); rank 0 returns the report."""
     import numpy as np
     import torch
@@ -156,9 +167,8 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
 
     from cocodiff_xfuser import platform
     from cocodiff_xfuser.comm.topology import resolve
-    from cocodiff_xfuser.tools import generate, quality
+    from cocodiff_xfuser.tools import generate
     from cocodiff_xfuser.tools.bench import a2a as bench_a2a
-    from cocodiff_xfuser.tools.verify import Run, compare
 
     world = int(os.environ["WORLD_SIZE"])
     run = Run(model=model, ulysses_degree=world, topology=topology, steps=steps, height=size, width=size)
@@ -180,16 +190,9 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         return max(generate.gather(value))
 
     progress.begin("equivalence")
-    ran = {name: timed({**base, **generate.VARIANTS[bench_e2e.CONFIGS[name]]}) for name in CONFIGS}
+    ran = {name: timed({**base, **generate.VARIANTS[variant]}) for name, variant in CONFIGS.items()}
     stock = ran["stock"]["images"]
-    verdicts = {}
-    for name in CONFIGS[1:]:
-        mine = ran[name]["images"]
-        verdict = None
-        if stock is not None:  # xfuser's pipelines output on the last rank
-            verdict = compare(stock, mine)
-            verdict["psnr_db"] = math.inf if verdict["bitwise_equal"] else quality.measure_images(stock, mine)[1]["psnr_db"]
-        verdicts[name] = generate.gather(verdict)
+    verdicts = {name: generate.gather(verdict_against(stock, ran[name]["images"])) for name in list(CONFIGS)[1:]}
     step_s = {name: slowest(r["step_s"]) for name, r in ran.items()}
     exposed_s = {name: slowest(r["exposed_s"]) for name, r in ran.items()}
 
@@ -207,7 +210,7 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     progress.begin("prediction")
     fabric = emulated()
     calibration = out / "check-calibration.json"
-    report = None
+    report, layouts = None, None
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         a2a = {"fabric": None, **(fabric or {}), **reports[0], "burst": None,
@@ -222,40 +225,114 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
                                  fabric_params=fabric and fabric["fabric_params"])
         best = planned["ranked"][0]
         at_job = next(r for r in planned["ranked"] if (r["ulysses"], r["ring"], r["cfg"]) == (world, 1, 1))
-        rows, failures = zip(*(equivalence(name, verdicts[name], ran[name]["ran"]) for name in CONFIGS[1:]))
+        layouts = measured_layouts(planned, model, size, topo.sizes[0], world // topo.sizes[0])
+        rows, failures = zip(*(equivalence(name, verdicts[name], ran[name]["ran"]) for name in list(CONFIGS)[1:]))
         report = {
             "model": model, "size": size, "steps": steps, "world_size": world, "topology": str(topo),
             "fabric": fabric, "equivalence": list(rows), "equivalent": all(r["ok"] for r in rows),
             "failures": [line for lines in failures for line in lines],
             "measured": {name: {"step_s": step_s[name], "comm_exposed_s": exposed_s[name]} for name in CONFIGS},
-            "exchanges": [{k: r.get(k) for k in ("size_bytes", "burst", "flat_s", "flat_p2p_s", "hierarchical_s", "chosen", "chosen_s")}
+            "exchanges": [{k: r.get(k) for k in ("size_bytes", "burst", "flat_s", "flat_p2p_s", "flat_pxn_s", "hierarchical_s", "chosen", "chosen_s")}
                           for r in a2a["results"]],
             "calibration": str(calibration), "calibrated": planned["calibration"],
             "compute_s": compute_s, "effective_tflops": tflops,
-            "recommended": {**planned["recommended"], "v_first": best["v_first"]}, "v_major": planned["v_major"],
+            "planned": {**planned["recommended"], "v_first": best["v_first"]}, "v_major": planned["v_major"],
+            "planned_best_stock": planned["best_stock"],
             "predicted_step_s": best["step_s"], "predicted_comm_s": best["step_s"] - best["compute_s"],
             "predicted_stock_step_s": at_job["stock_step_s"], "predicted_gain": at_job["stock_step_s"] / best["step_s"],
         }
-    chosen = [None if report is None else tuple(report["recommended"][k] for k in ("ulysses", "ring", "cfg", "v_first"))]
-    dist.broadcast_object_list(chosen, src=0)
-    ulysses, ring, cfg, v_first = chosen[0]
+    shared = [None if layouts is None else [(lay.ulysses, lay.ring, lay.cfg, v_first) for lay, v_first in layouts]]
+    dist.broadcast_object_list(shared, src=0)
 
     progress.begin("measurement")
-    if (ulysses, ring, cfg) != (world, 1, 1):
-        destroy_model_parallel()  # xfuser builds its groups again for the recommended degrees
-    best_run = Run(model=model, ulysses_degree=ulysses, ring_degree=ring, cfg=cfg == 2, topology=topology, steps=steps,
-                   height=size, width=size)
-    measured = timed({**generate.runner_args(best_run.runner_argv()),
-                      **generate.VARIANTS["cocodiff+vfirst" if v_first else "cocodiff"]})
-    measured_step_s = slowest(measured["step_s"])
+    full = bench_e2e.Layout(world)
+    candidates = [candidate("stock", full, False, step_s["stock"], math.inf, True)]
+    candidates += [candidate(name, full, name != "tapa", step_s[name], min(v["psnr_db"] for v in verdicts[name] if v),
+                             all(v["bitwise_equal"] for v in verdicts[name] if v))
+                   for name in ("tapa", "tapa+vfirst", "tapa+vfirst+vmajor") if any(verdicts[name])]
+    runner = ran["stock"]["runner"]
+    for ulysses, ring, cfg, v_first in shared[0]:
+        layout = bench_e2e.Layout(ulysses, ring, cfg)
+        destroy_model_parallel()  # xfuser builds its groups again for each layout's degrees
+        args = generate.runner_args(layout.run(run).runner_argv())
+        stock_run = timed({**args, **generate.VARIANTS["ulysses"]})
+        mine = "tapa+vfirst" if v_first else "tapa"
+        coco_run = timed({**args, **generate.VARIANTS[CONFIGS[mine]]})
+        runner = coco_run["runner"]
+        verdict = generate.gather(verdict_against(stock_run["images"], coco_run["images"]))
+        exact = all(v["bitwise_equal"] for v in verdict if v)
+        candidates.append(candidate("stock", layout, False, slowest(stock_run["step_s"]), math.inf, True))
+        candidates.append(candidate(mine, layout, v_first, slowest(coco_run["step_s"]), math.inf if exact else -math.inf, exact))
     dist.barrier()
-    measured["runner"].cleanup()
+    runner.cleanup()
     if report is None:
         return None
-    return {**report, "measured_step_s": measured_step_s, "measured_stock_step_s": step_s["stock"],
-            "measured_fair_step_s": step_s["fair-flat"], "measured_gain": step_s["stock"] / measured_step_s,
-            "measured_gain_vs_fair": step_s["fair-flat"] / measured_step_s,
-            "prediction_error": report["predicted_step_s"] / measured_step_s - 1.0}
+    report["failures"] += [f"{c['name']} differs from stock {c['layout']}" for c in candidates if not c["exact"] and not c["lossy"]]
+    report["equivalent"] = report["equivalent"] and all(c["exact"] for c in candidates if not c["lossy"])
+    planned = report["planned"]
+    planned_name = (f"{'tapa+vfirst' if planned['v_first'] else 'tapa'} "
+                    f"{bench_e2e.Layout(planned['ulysses'], planned['ring'], planned['cfg'] == 2).name}")
+    measured_planned = next((c["step_s"] for c in candidates if c["name"] == planned_name), None)
+    return {**report, **recommend(candidates, min_psnr), "measured_stock_step_s": step_s["stock"],
+            "measured_fair_step_s": step_s["fair-flat"], "planned_step_s": measured_planned,
+            "prediction_error": None if measured_planned is None else report["predicted_step_s"] / measured_planned - 1.0}
+
+
+def verdict_against(reference, candidate) -> dict | None:
+    """This rank's comparison of ``candidate`` with ``reference`` (None where xfuser's pipeline gave
+    this rank no images: it outputs on the last rank)."""
+    if reference is None:
+        return None
+    verdict = compare(reference, candidate)
+    verdict["psnr_db"] = math.inf if verdict["bitwise_equal"] else quality.measure_images(reference, candidate)[1]["psnr_db"]
+    return verdict
+
+
+def measured_layouts(planned: dict, model: str, size: int, nodes: int, local: int) -> list[tuple[bench_e2e.Layout, bool]]:
+    """Stage 4's layouts, each with whether cocodiff runs V-First there: the planner's best
+    ``MEASURE_TOP``, its best stock layout and the stock layouts an informed user runs, less Ulysses
+    over all ranks (stage 1 measured it) and layouts stock cannot split."""
+    ranked = planned["ranked"]
+    informed, _ = bench_e2e.stock_layouts(model, nodes, local)
+    picks = [*ranked[:MEASURE_TOP], planned["best_stock"],
+             *(r for lay in informed[1:] for r in ranked if (r["ulysses"], r["ring"], r["cfg"] == 2) == (lay.ulysses, lay.ring, lay.cfg))]
+    layouts = []
+    for row in picks:
+        layout = bench_e2e.Layout(row["ulysses"], row["ring"], row["cfg"] == 2)
+        if (layout, row["v_first"]) in layouts or layout == bench_e2e.Layout(nodes * local):
+            continue
+        if tiny_models.uneven(model, layout.ulysses, layout.ring, size, size) is None:
+            layouts.append((layout, row["v_first"]))
+    return layouts
+
+
+def candidate(mechanism: str, layout: "bench_e2e.Layout", v_first: bool, step_s: float, psnr_db: float, exact: bool) -> dict:
+    """One measured configuration: its name, the flags that run it, its step and quality."""
+    stock = mechanism == "stock"
+    flags = layout.flags() + ("" if stock else " --sp-backend cocodiff" + (" --cocodiff-v-first" if v_first else "")
+                              + (" --cocodiff-v-major on" if mechanism in LOSSY else ""))
+    return {"name": f"{mechanism} {layout.name}", "layout": layout.name, "stock": stock, "lossy": mechanism in LOSSY,
+            "flags": flags, "step_s": step_s, "psnr_db": psnr_db, "exact": exact}
+
+
+def recommend(candidates: list[dict], min_psnr: float | None) -> dict:
+    """The fastest lossless candidate (a lossy one only at or above ``min_psnr``), the best stock
+    layout, and the advice's first line."""
+    stock = min((c for c in candidates if c["stock"]), key=lambda c: c["step_s"])
+    eligible = [c for c in candidates if (c["exact"] and not c["lossy"]) or (min_psnr is not None and c["psnr_db"] >= min_psnr)]
+    chosen = min(eligible, key=lambda c: c["step_s"])
+    if chosen["stock"]:
+        coco = min((c for c in eligible if not c["stock"]), key=lambda c: c["step_s"], default=None)
+        advice = (f"run stock: {chosen['name']} is the fastest here"
+                  + ("" if coco is None else f"; cocodiff's best ({coco['name']}) takes {coco['step_s'] / chosen['step_s']:.2f}x its step"))
+    else:
+        quality = "bitwise equal to stock" if not chosen["lossy"] else f"{chosen['psnr_db']:.1f} dB PSNR vs stock"
+        advice = (f"run cocodiff: {chosen['name']} is {stock['step_s'] / chosen['step_s']:.2f}x the best stock layout "
+                  f"({stock['name']}), {quality}")
+    return {"candidates": candidates, "min_psnr_db": min_psnr, "advice": advice,
+            "best_stock": stock["name"], "best_stock_step_s": stock["step_s"], "best_stock_flags": stock["flags"],
+            "recommended": chosen["name"], "recommended_step_s": chosen["step_s"], "recommended_flags": chosen["flags"],
+            "recommended_psnr_db": chosen["psnr_db"], "speedup_vs_best_stock": stock["step_s"] / chosen["step_s"]}
 
 
 def _ms(seconds: float | None) -> str:
@@ -266,8 +343,9 @@ def format_report(r: dict) -> str:
     fab = r["fabric"]
     where = (f"emulated {fab['fabric']} {fab['nodes']}x{fab['local']}, "
              + ", ".join(f"{k}={v:g}" for k, v in sorted(fab["fabric_params"].items()))) if fab else "this cluster"
-    lines = [f"{r['model']} {r['size']} px, {r['steps']} steps, ulysses {r['world_size']} (topology {r['topology']}) on {where}",
-             f"equivalence against stock Ulysses (bitwise on every rank; V-Major: PSNR >= {MIN_PSNR_DB:g} dB), step times:",
+    lines = [f"{r['model']} {r['size']} px, {r['steps']} steps, {r['world_size']} ranks (topology {r['topology']}) on {where}",
+             f"advice: {r['advice']}",
+             f"equivalence on Ulysses over all ranks against stock (bitwise on every rank; V-Major: PSNR >= {MIN_PSNR_DB:g} dB), step times:",
              f"  {'':4} {'stock':<20} {'':16} {r['measured']['stock']['step_s'] * 1e3:8.1f} ms"]
     for row in r["equivalence"]:
         what = "bitwise equal" if row["bitwise_equal"] else f"{row['psnr_db']:.1f} dB PSNR"
@@ -278,20 +356,26 @@ def format_report(r: dict) -> str:
         if row["lossy"] and not row["ran"]["fallbacks"] and not row["ran"]["v_major_tokens"]:
             lines.append(f"  {'':4} {'':<20} no step ran sparsely (its warm-up took every step: raise --steps)")
     lines.append("exchanges on the Ulysses group, ms each (median; a step's bytes back to back):")
-    lines.append(f"  {'KiB/rank':>9} {'x':>3} {'stock':>8} {'fair flat':>9} {'TAPA':>8} {'chosen':>8}")
+    lines.append(f"  {'KiB/rank':>9} {'x':>3} {'stock':>8} {'fair flat':>9} {'PXN-like':>8} {'TAPA':>8} {'chosen':>8}")
     for e in r["exchanges"]:
         lines.append(f"  {e['size_bytes'] / 1024:9.1f} {e['burst']:3d} {_ms(e['flat_s'])} {_ms(e['flat_p2p_s']):>9} "
-                     f"{_ms(e['hierarchical_s'])} {_ms(e['chosen_s'])} {e['chosen']}")
+                     f"{_ms(e['flat_pxn_s'])} {_ms(e['hierarchical_s'])} {_ms(e['chosen_s'])} {e['chosen']}")
     lines.append(f"calibration: {r['calibration']} (cocodiff plan --calibrate FILE reads it)")
-    lines.append(f"recommended: {r['recommended']['flags']}")
+    lines.append(f"planned: {r['planned']['flags']}")
     lines.append(f"  predicted step {r['predicted_step_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f} ms, measured, "
                  f"+ exposed communication {r['predicted_comm_s'] * 1e3:.1f} ms): {r['predicted_gain']:.2f}x stock's predicted "
-                 f"{r['predicted_stock_step_s'] * 1e3:.1f} ms")
-    if r["v_major"]:
-        lines.append(f"  optional, lossy: {r['v_major']['flag']} ({r['v_major']['note']})")
-    lines.append(f"measured (run after the prediction): step {r['measured_step_s'] * 1e3:.1f} ms, {r['measured_gain']:.2f}x "
-                 f"stock, {r['measured_gain_vs_fair']:.2f}x the fair flat exchange; the prediction is "
-                 f"{r['prediction_error']:+.0%} off")
+                 f"{r['predicted_stock_step_s'] * 1e3:.1f} ms"
+                 + ("" if r["prediction_error"] is None else f"; measured, the prediction is {r['prediction_error']:+.0%} off"))
+    lines.append("measured layouts, stock and with cocodiff (exact: bitwise equal to the same stock layout):")
+    for c in sorted(r["candidates"], key=lambda c: c["step_s"]):
+        what = "stock" if c["stock"] else ("exact" if c["exact"] else f"{c['psnr_db']:.1f} dB")
+        lines.append(f"  {c['name']:<28} {c['step_s'] * 1e3:8.1f} ms  {c['step_s'] and r['best_stock_step_s'] / c['step_s']:5.2f}x "
+                     f"best stock  {what:<8} {c['flags']}")
+    lines.append(f"  recommended: {r['recommended_flags']} ({r['recommended_step_s'] * 1e3:.1f} ms per step; best stock "
+                 f"{r['best_stock_flags']}: {r['best_stock_step_s'] * 1e3:.1f} ms)")
+    if r["v_major"] and r["min_psnr_db"] is None:
+        lines.append(f"  optional, lossy: {r['v_major']['flag']} ({r['v_major']['note']}; --min-psnr DB lets the check "
+                     "recommend it where its measured PSNR meets DB)")
     return "\n".join(lines)
 
 
@@ -316,6 +400,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--local", type=int, default=2, help="ranks per node, with --fabric")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="with --fabric: a link override")
     p.add_argument("--timeout", type=float, default=bench_e2e.TIMEOUT_S, help="seconds, with --fabric")
+    p.add_argument("--min-psnr", type=float, default=None, metavar="DB",
+                   help="also recommend a lossy configuration (V-Major) where its measured PSNR vs stock is at least DB")
     p.add_argument("--json", action="store_true", help="the last line: the report as one JSON object")
 
 
@@ -343,7 +429,7 @@ def _on_fabric(args: Any) -> int:
     worker = [sys.executable, "-m", "cocodiff_xfuser.tools.cli", "check", "--model", args.model, "--steps", str(args.steps),
               "--repeat", str(args.repeat), "--topology", topology_for(args.fabric, args.nodes, args.local),
               "--out", str(Path(args.out).resolve()), *(["--size", str(args.size)] if args.size else []),
-              *(["--json"] if args.json else [])]
+              *(["--json"] if args.json else []), *(["--min-psnr", str(args.min_psnr)] if args.min_psnr is not None else [])]
     with one_at_a_time(), fab:
         rc = fab.run(worker, timeout=args.timeout).returncode
     if rc == 124:
@@ -378,7 +464,7 @@ def _on_ranks(args: Any) -> int:
     parts = (len(CONFIGS) + 1) * (1 + args.repeat) + len(message_sizes(args.model, size, int(os.environ["WORLD_SIZE"])))
     progress = Progress(parts, draw=rank == 0)
     try:
-        report = job(args.model, size, args.steps, args.repeat, args.topology, Path(args.out), progress)
+        report = job(args.model, size, args.steps, args.repeat, args.topology, Path(args.out), progress, args.min_psnr)
     except ValueError as e:  # the user's input, found alike on every rank
         if rank == 0:
             print(f"cocodiff check: {e}", file=sys.stderr, flush=True)

@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run (emulated cluster: run as root)")
     kinds = bench.add_subparsers(dest="kind", required=True)
     a2a = kinds.add_parser("a2a", help="all-to-all: flat vs hierarchical vs the autotuned choice, vs the physical bound")
-    e2e = kinds.add_parser("e2e", help="a tiny DiT pipeline: stock Ulysses vs cocodiff mechanisms, cumulatively")
+    e2e = kinds.add_parser("e2e", help="a tiny DiT pipeline: the stock layouts users run vs cocodiff's mechanisms, with unlimited-link floors")
     for p in (a2a, e2e):
         p.add_argument("--fabric", choices=FABRICS, default=None if p is a2a else "rail",
                        help="emulated cluster preset (network namespaces; needs root)" + ("; default: loopback" if p is a2a else ""))
@@ -85,13 +85,17 @@ def _parser() -> argparse.ArgumentParser:
     a2a.add_argument("--sizes-mib", default=",".join(map(str, bench_a2a.DEFAULT_SIZES_MIB)), help="message sizes per rank, MiB")
     a2a.add_argument("--reps", type=int, default=bench_a2a.DEFAULT_REPS)
     a2a.add_argument("--floor", action="store_true", help="also measure each size with the links unshaped (this host's floor)")
-    a2a.add_argument("--shapes", help="NODESxLOCAL,... (e.g. 2x2,2x4,4x2): one run per shape and a summary; overrides --nodes/--local")
+    for p in (a2a, e2e):
+        p.add_argument("--shapes", help="NODESxLOCAL,... (e.g. 2x2,2x4,4x2): one run per shape" + (" and a summary" if p is a2a else "")
+                       + "; overrides --nodes/--local")
     e2e.add_argument("--model", choices=sorted(tiny_models.SPECS), default="tiny-flux")
     e2e.add_argument("--size", type=int, default=bench_e2e.DEFAULT_SIZE, help="image height and width")
     e2e.add_argument("--steps", type=int, default=bench_e2e.DEFAULT_STEPS)
     e2e.add_argument("--repeat", type=int, default=bench_e2e.DEFAULT_REPEAT, help="timed pipeline calls per configuration")
-    e2e.add_argument("--configs", default=None, help=f"comma-separated, besides the baselines; default: all of "
-                     f"{','.join(bench_e2e.CONFIGS)}")
+    e2e.add_argument("--configs", default=None, help=f"cocodiff's mechanisms, comma-separated, besides the stock layouts "
+                     f"and the fair flat exchange; default: all of {','.join(bench_e2e.MECHANISMS)}")
+    e2e.add_argument("--no-floor", action="store_true", help="skip the runs with unlimited links (the report then "
+                     "cannot state how much of a step the links add)")
     return parser
 
 

@@ -32,6 +32,8 @@ VARIANTS = {
     "ulysses": {"sp_backend": "ulysses"},
     # Stock's algorithm (xfuser's own USP, its exchanges unchanged) on the fair flat exchange.
     "cocodiff-fair-flat": {"sp_backend": "cocodiff", "cocodiff_a2a": "flat-p2p"},
+    # The same on a rail-optimized fabric: the flat exchange as NCCL's PXN routes it.
+    "cocodiff-fair-pxn": {"sp_backend": "cocodiff", "cocodiff_a2a": "flat-pxn"},
     "cocodiff": {"sp_backend": "cocodiff"},
     "cocodiff+vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True},
     "cocodiff+vfirst+vmajor": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on"},

@@ -122,6 +122,8 @@ MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
               source="tools/models/tiny.py: 3 joint blocks, 2 with a second image-only attention"),
     ModelSpec("digits-flux", 8, 16, ((6, True),), 16, 4, 4, flux=True,
               source="tools/models/digits.py: 2 double + 4 single"),
+    ModelSpec("digits-sd3", 8, 16, ((1, False), (4, True)), 16, 4, 4, cfg=True, stacked_qkv=False,
+              source="tools/models/digits.py: 4 joint blocks, the first with a second image-only attention"),
 )}
 
 
@@ -372,7 +374,8 @@ def a2a_samples(report: dict, floor: bool = False) -> List[Sample]:
         for alg in ("flat", "flat_p2p", "hierarchical", "chosen"):
             a = r["chosen"] if alg == "chosen" else alg
             m = r.get(f"{alg}_s")
-            if m and (alg != "chosen" or a not in ("flat", "flat_p2p", "hierarchical")):  # chosen: not measured twice
+            # chosen: not measured twice; the PXN-like relay is not one of the model's algorithms
+            if m and (alg != "chosen" or a not in ("flat", "flat_p2p", "hierarchical", "flat_pxn")):
                 out.append(Sample(cl, a, x, float(m), f"a2a/{fabric}/{alg}", f"{mib} {alg} ({a})"))
     return out
 
@@ -499,14 +502,19 @@ def e2e_samples(path: Path, c: Coeffs) -> List[Tuple[Sample, float]]:
     if spec is None:
         return []
     cl = Cluster.from_fabric(_e2e_fabric(d))
-    stock = next(x for x in d["configs"] if x["name"] == "stock")
+    # Ulysses over all ranks only (older reports ran nothing else); their mechanism was their name.
+    world = d.get("ulysses_degree") or d["world_size"]
+    rows = [x for x in d["configs"] if x.get("layout", f"U{world}") == f"U{world}"]
+    stock = next(x for x in rows if x.get("mechanism", x["name"]) == "stock")
     compute_layer = (stock["step_s"] - stock["comm_exposed_s"]) / spec.layers
     out = []
-    for cfg in d["configs"]:
-        name = cfg["name"]
-        p = predict_step(spec, cl, c, size=d["size"], ulysses=d["ulysses_degree"], steps=d["steps"],
-                         algorithm={"stock": "flat", "fair-flat": "flat_p2p"}.get(name, "best"), v_first="vfirst" in name,
-                         v_major=cfg["v_major_active_fraction"] if "vmajor" in name else None,
+    for cfg in rows:
+        name, mechanism = cfg["name"], cfg.get("mechanism", cfg["name"])
+        if mechanism == "fair-flat" and "flat-pxn" in cfg["exchanges_by_algorithm"]:
+            continue  # PXN's relayed routing is not one of the model's algorithms
+        p = predict_step(spec, cl, c, size=d["size"], ulysses=world, steps=d["steps"],
+                         algorithm={"stock": "flat", "fair-flat": "flat_p2p"}.get(mechanism, "best"),
+                         v_first="vfirst" in mechanism, v_major=cfg["v_major_active_fraction"] if "vmajor" in mechanism else None,
                          compute_layer_s=compute_layer)
         if abs(p["bytes"] - cfg["bytes_per_step"]) > 0.01 * cfg["bytes_per_step"]:
             raise ValueError(f"{path}: model {spec.name} gives {p['bytes']:.0f} bytes per step, "
@@ -637,6 +645,7 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
         raise ValueError(f"no ulysses x ring x cfg factorization of {W} ranks fits {spec.name}")
     rows.sort(key=lambda r: r["step_s"])
     best = rows[0]
+    best_stock = min(rows, key=lambda r: r["stock_step_s"])
     slow = full.subgroup(best["ulysses"])
     flags = ["--ulysses_degree", str(best["ulysses"]), "--ring_degree", str(best["ring"])]
     if best["cfg"] == 2:
@@ -659,6 +668,7 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
             "coefficients": c.source,
             "compute_estimate": f"FLOPs at {tf:g} TFLOP/s per rank (assumed)", "ranked": rows,
             "recommended": {"flags": " ".join(flags), **{k: best[k] for k in ("ulysses", "ring", "cfg")}},
+            "best_stock": best_stock, "speedup_vs_best_stock": best_stock["stock_step_s"] / best["step_s"],
             "v_major": vmaj}
 
 
@@ -709,12 +719,17 @@ def run_cli(args: argparse.Namespace) -> int:
           f"{rep['tokens']['text']} text tokens; {rep['cluster']} x{rep['nodes']} = {rep['world']} ranks ({rep['levels']})")
     print(f"links: {rep['coefficients']}; compute: {rep['compute_estimate']}")
     print(f"{'U':>3} {'R':>3} {'cfg':>3} {'pad':>6} {'MiB/step':>9} {'stock ms':>9} {'tapa ms':>8} {'cocodiff ms':>11} "
-          f"{'V hidden':>8} {'ring ms':>7} {'compute':>8} {'step ms':>8}")
+          f"{'V hidden':>8} {'ring ms':>7} {'compute':>8} {'stock step':>10} {'step ms':>8}")
     for r in rep["ranked"]:
+        mark = " <- best stock layout" if r is rep["best_stock"] else ""
         print(f"{r['ulysses']:3d} {r['ring']:3d} {r['cfg']:3d} {r['pad_bytes_overhead']:+6.1%} "
               f"{r['bytes_per_step'] / 2**20:9.1f} {r['stock_comm_s'] * 1e3:9.2f} {r['tapa_comm_s'] * 1e3:8.2f} "
               f"{r['cocodiff_comm_s'] * 1e3:11.2f} {r['v_hidden_s'] * 1e3:8.2f} {r['ring_s'] * 1e3:7.2f} "
-              f"{r['compute_s'] * 1e3:8.2f} {r['step_s'] * 1e3:8.2f}")
+              f"{r['compute_s'] * 1e3:8.2f} {r['stock_step_s'] * 1e3:10.2f} {r['step_s'] * 1e3:8.2f}{mark}")
+    bs = rep["best_stock"]
+    print(f"best stock layout: --ulysses_degree {bs['ulysses']} --ring_degree {bs['ring']}"
+          f"{' --use_cfg_parallel' if bs['cfg'] == 2 else ''} (predicted stock step {bs['stock_step_s'] * 1e3:.2f} ms); the recommendation "
+          f"is predicted at {rep['speedup_vs_best_stock']:.2f}x its step")
     print(f"recommended: {rep['recommended']['flags']}")
     if rep["v_major"]:
         print(f"optional, lossy: add {rep['v_major']['flag']} (comm {rep['v_major']['comm_s'] * 1e3:.2f} ms/step; "

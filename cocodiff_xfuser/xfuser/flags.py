@@ -57,7 +57,7 @@ def _add_backend_args(parser) -> None:
         "--cocodiff-a2a",
         choices=A2A_SETTINGS,
         default="auto",
-        help="cocodiff: all-to-all algorithm; 'auto' measures flat vs hierarchical per message size.",
+        help="cocodiff: all-to-all algorithm; 'auto' measures the eligible ones per message size against the backend's fair flat exchange.",
     )
     group.add_argument(
         "--cocodiff_v_first",

@@ -95,7 +95,7 @@ def test_exported_decisions(report):
     assert sorted(d["bucket_bytes"] for d in data["decisions"]) == [65536, 1 << 20]
     for d in data["decisions"]:
         assert d["group"] == [0, 1, 2, 3] and d["algorithm"] in ALGORITHMS
-        assert d["flat_s"] > 0 and d["hierarchical_s"] > 0 and d["flat_p2p_s"] > 0
+        assert d["flat_s"] > 0 and d["hierarchical_s"] > 0 and d["flat_p2p_s"] > 0 and d["flat_pxn_s"] > 0
 
 
 @pytest.mark.distributed
@@ -104,12 +104,12 @@ def test_bench_a2a_cli():
     out = torchrun(4, argv, env=ENV, timeout=180).stdout
     report = json.loads(out[out.index("{"):])
     assert report["topology"] == "2x2" and report["world_size"] == 4 and report["levels"] == [2, 2]
-    assert report["candidates"] == ["flat", "flat_p2p", "hierarchical"]
+    assert report["candidates"] == ["flat", "flat_p2p", "flat_pxn", "hierarchical"]
     assert report["timing"] == "common-start"  # every rank on this host
     assert [r["size_bytes"] for r in report["results"]] == [1 << 18, 1 << 20]
     for r in report["results"]:
         assert r["chosen"] in r["times_s"]
-        for name in ("flat", "flat_p2p", "hierarchical"):
+        for name in ("flat", "flat_p2p", "flat_pxn", "hierarchical"):
             assert 0 < r[f"{name}_min_s"] <= r[f"{name}_s"] and len(r["times_s"][name]) == 3
         # Pipelined candidates from 1 MiB per rank on.
         assert ("hierarchical_x2" in r["times_s"]) == (r["size_bytes"] >= 1 << 20)
@@ -118,3 +118,4 @@ def test_bench_a2a_cli():
         assert r["chosen_s"] == r[f"{r['chosen']}_s"]
         assert r["speedup_vs_flat"] == pytest.approx(r["flat_s"] / r["chosen_s"])
         assert r["speedup_vs_fair"] == pytest.approx(r["flat_p2p_s"] / r["chosen_s"])
+        assert r["speedup_vs_pxn"] == pytest.approx(r["flat_pxn_s"] / r["chosen_s"])

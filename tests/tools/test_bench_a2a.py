@@ -27,6 +27,56 @@ def test_topology_and_regime_text():
     assert bench.regime(None, 16 << 20).startswith("loopback")
 
 
+def test_pxn_routes_reach_the_bound_on_rail():
+    """NCCL's PXN route (a hop to the rank on the destination's rail, then that rail) keeps every
+    byte off the spine: on rail its bound is the physical one; elsewhere it is no better than flat's."""
+    fab = Fabric("rail", 2, 4)
+    assert fab.pxn_route(0, 5) == ("intra", "rail") and fab.pxn_route(0, 4) == ("rail",) and fab.pxn_route(0, 1) == ("intra",)
+    for nodes, local in ((2, 2), (2, 4), (4, 2)):
+        fab = Fabric("rail", nodes, local)
+        pxn = fab.bound_s("pxn", 16 << 20)
+        assert pxn == pytest.approx(fab.bound_s("all_to_all", 16 << 20)) and pxn < fab.bound_s("flat", 16 << 20)
+    for preset in ("shared-uplink", "aurora-like"):
+        fab = Fabric(preset, 2, 4)
+        assert fab.bound_s("pxn", 16 << 20) >= fab.bound_s("flat", 16 << 20)
+
+
+def _row(size_mib: float, ms: dict[str, float], chosen: str) -> dict:
+    """One result row as the worker and the driver write it (times in ms)."""
+    row = {"size_bytes": int(size_mib * 2**20), "chosen": chosen, "chosen_s": ms[chosen] / 1e3, "fraction_of_bound": None,
+           "times_s": {k: [v / 1e3] for k, v in ms.items()}, "ulysses": None}
+    for k, v in ms.items():
+        row[f"{k}_s"] = row[f"{k}_min_s"] = v / 1e3
+    for key, ref in (("speedup_vs_flat", "flat"), ("speedup_vs_fair", "flat_p2p"), ("speedup_vs_pxn", "flat_pxn")):
+        row[key] = row[f"{ref}_s"] / row["chosen_s"]
+    return row
+
+
+def test_headline_is_against_pxn_on_rail():
+    """On rail the headline ("vs ...", first of the speed-ups) is against the PXN-like flat exchange,
+    with the fair flat exchange and stock beside it; elsewhere against the fair flat exchange."""
+    results = [_row(1, {"flat": 12.0, "flat_p2p": 10.0, "flat_pxn": 4.4, "hierarchical": 4.0}, "hierarchical"),
+               _row(16, {"flat": 240.0, "flat_p2p": 200.0, "flat_pxn": 100.0, "hierarchical": 80.0}, "hierarchical")]
+    assert bench.headline_reference("rail", results) == "flat_pxn"
+    assert bench.headline_reference("shared-uplink", results) == bench.headline_reference(None, results) == "flat_p2p"
+    assert bench.headline_reference("rail", [{k: v for k, v in results[0].items() if k != "flat_pxn_s"}]) == "flat_p2p"
+    report = {"fabric": "rail", "nodes": 2, "local": 2, "topology": "2x2", "world_size": 4, "levels": [2, 2],
+              "dtype": "bfloat16", "reps": 1, "reference": "flat_pxn", "results": results}
+    for r in results:
+        r["speedup_vs_reference"] = r["speedup_vs_pxn"]
+    table = bench.format_report(report).splitlines()
+    assert "headline vs pxn" in table[1] and "flat-pxn (PXN)" in table[2]
+    assert table[2].split("chosen")[1].split() == ["vs", "pxn", "vs", "fair", "vs", "stock"]
+    assert table[4].split()[-3:] == ["1.25x", "2.50x", "3.00x"]  # 16 MiB: 100 / 80, 200 / 80, 240 / 80
+    row = bench.summarize(report)
+    assert row["reference"] == "flat_pxn" and row["worst_vs_reference"] == pytest.approx(1.1) and row["worst_vs_reference_at_mib"] == 1
+    assert row["largest_vs_reference"] == 1.25 and row["largest_vs_fair"] == 2.5 and row["largest_vs_stock"] == 3.0
+    summary = bench.format_summary("rail", [row]).splitlines()
+    assert "the PXN-like flat exchange (the headline)" in summary[0]
+    assert summary[1].split()[1:4] == ["worst", "vs", "pxn"] and "worst vs fair" in summary[1]
+    assert summary[2].split()[1:4] == ["1.10x", "1", "1.25x"]
+
+
 def test_run_cli_reports_unavailable_fabric(monkeypatch, capsys):
     import cocodiff_xfuser.tools.fabric as fabric
 
@@ -64,8 +114,10 @@ def test_smoke_rail_2x2(tmp_path, capsys):
     assert report == json.loads((tmp_path / "a2a-rail-2x2.json").read_text())
     assert (tmp_path / "a2a-rail-2x2.png").stat().st_size > 1000
     assert "flat (stock)" in captured.err and "summary on rail" in captured.err  # tables go to stderr with --json
+    assert "flat-pxn (PXN)" in captured.err and "headline vs pxn" in captured.err
     (row,) = summary["summary"]
     assert row["shape"] == "2x2" and row["worst_vs_stock"] == report["results"][0]["speedup_vs_flat"]
+    assert row["reference"] == "flat_pxn" and row["worst_vs_reference"] == report["results"][0]["speedup_vs_reference"]
     assert row["worst_fraction_of_bound_ge_4mib"] is None  # no size >= 4 MiB in this run
     assert row["copies_per_exchange"]["cocodiff"] < row["copies_per_exchange"]["xfuser"]
     # The fabric (namespaces ccd-a<pid>-*) is torn down.
@@ -78,22 +130,23 @@ def test_smoke_rail_2x2(tmp_path, capsys):
     assert (report["fabric"], report["nodes"], report["local"], report["topology"]) == ("rail", 2, 2, "2x2")
     assert report["levels"] == [2, 2] and report["world_size"] == 4
     assert report["describe"].startswith("fabric rail") and report["regime"]
-    assert report["candidates"] == ["flat", "flat_p2p", "hierarchical"]
-    assert report["tc_drops"] == 0
+    assert report["candidates"] == ["flat", "flat_p2p", "flat_pxn", "hierarchical"]
+    assert report["tc_drops"] == 0 and report["reference"] == "flat_pxn"
     (r,) = report["results"]
     assert r["size_bytes"] == 1 << 19
-    for name in ("flat", "flat_p2p", "hierarchical"):
+    for name in ("flat", "flat_p2p", "flat_pxn", "hierarchical"):
         assert 0 < r[f"{name}_min_s"] <= r[f"{name}_s"], name
         assert len(r["times_s"][name]) == 2
     assert r["chosen"] in report["candidates"]
     assert r["chosen_s"] == r[f"{r['chosen']}_s"] > 0
     assert r["speedup_vs_flat"] == pytest.approx(r["flat_s"] / r["chosen_s"])
     assert r["speedup_vs_fair"] == pytest.approx(r["flat_p2p_s"] / r["chosen_s"])
+    assert r["speedup_vs_reference"] == r["speedup_vs_pxn"] == pytest.approx(r["flat_pxn_s"] / r["chosen_s"])
     assert r["bound_s"] == pytest.approx(Fabric("rail", 2, 2).bound_s("all_to_all", 1 << 19))
-    assert r["bound_flat_routes_s"] == pytest.approx(2 * r["bound_s"])
+    assert r["bound_flat_routes_s"] == pytest.approx(2 * r["bound_s"]) and r["bound_pxn_routes_s"] == pytest.approx(r["bound_s"])
     assert r["fraction_of_bound"] == pytest.approx(r["chosen_s"] / r["bound_s"])
     # Every other candidate timed against gloo's fair flat exchange; no pipelining below 1 MiB.
-    assert r["autotune"]["reference"] == "flat_p2p" and set(r["autotune"]["ratios"]) == {"flat", "hierarchical"}
+    assert r["autotune"]["reference"] == "flat_p2p" and set(r["autotune"]["ratios"]) == {"flat", "flat_pxn", "hierarchical"}
     assert r["ulysses"]["cocodiff_layout_s"] > 0
     padded = r["ulysses"]["padding"]
     assert padded["padded_heads"] == padded["heads"] + 1 and padded["time_vs_same_bytes_unpadded"] > 0
@@ -115,8 +168,10 @@ def test_documented_benchmark_runs_on_every_preset(preset, tmp_path, capsys):
     assert [row["shape"] for row in summary["summary"]] == ["2x2", "2x4", "4x2"]
     for report in summary["reports"].values():
         assert [r["size_bytes"] for r in report["results"]] == [int(m * 2**20) for m in (0.5, 1, 2, 4, 8, 16)]
+        assert report["reference"] == ("flat_pxn" if preset == "rail" else "flat_p2p")
         for r in report["results"]:
             assert r["chosen"] in r["times_s"] and r["fraction_of_bound"] >= 0.9 and r["bound_s"] > 0
+            assert preset != "rail" or r["flat_pxn_s"] > 0
             assert ("host_floor_s" in r) == (preset == "rail")
 
 

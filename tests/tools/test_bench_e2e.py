@@ -13,7 +13,9 @@ from cocodiff_xfuser.tools.bench import e2e as bench_e2e
 ok, why = fabric.available()
 pytestmark = [pytest.mark.fabric, pytest.mark.skipif(not ok, reason=f"emulated fabric unavailable: {why}")]
 
-CONFIG_KEYS = ("name", "step_s", "comm_s", "slow_link_bytes", "max_abs_diff", "psnr_db", "ssim", "speedup_vs_stock", "speedup_vs_fair")
+CONFIG_KEYS = ("name", "layout", "layout_flags", "step_s", "floor_step_s", "links_share", "comm_s", "slow_link_bytes",
+               "max_abs_diff", "psnr_db", "ssim", "speedup_vs_best_stock", "speedup_vs_stock", "speedup_vs_fair",
+               "floor_speedup_vs_best_stock")
 
 
 #: The normal tier's smoke: the baselines, the lossless stack and V-Major's auto mode (every
@@ -26,48 +28,74 @@ SMOKE = ("tapa+vfirst", "tapa+vfirst+vmajor-auto")
 SMOKE_LINKS = {"rail_bps": 1e9}
 
 
-def _smoke(configs: tuple[str, ...] | None) -> dict:
+def _smoke(configs: tuple[str, ...] | None, floor: bool) -> dict:
     # Three steps: V-Major's exact first step, its second warm-up step (every row as a residual), one budget step.
     report = bench_e2e.bench_e2e("rail", "tiny-flux", size=64, steps=3, repeat=1, params=SMOKE_LINKS, timeout=600,
-                                 configs=configs)
+                                 mechanisms=configs, floor=floor)
     json.dumps(report)  # serializable
-    for key in ("model", "fabric", "configs", "regime"):
+    for key in ("model", "fabric", "configs", "regime", "best_stock", "best_stock_step_s", "layouts_not_run"):
         assert key in report
     for config in report["configs"]:
         assert all(key in config for key in CONFIG_KEYS), config
-        assert config["step_s"] > 0 and config["comm_s"] > 0 and config["slow_link_bytes"] > 0
-        if config["name"] not in bench_e2e.LOSSY:  # TAPA and V-First are lossless
-            assert config["bitwise_equal"] and config["max_abs_diff"] == 0.0 and math.isinf(config["psnr_db"])
+        assert config["step_s"] > 0 and config["comm_s"] > 0
+        assert (config["floor_step_s"] is not None) == floor
+        if config["name"] not in ("tapa+vfirst+vmajor U4", "tapa+vfirst+vmajor-auto U4"):
+            # Lossless, and cocodiff bitwise the same stock layout; Ulysses x Ring is float rounding away from U4.
+            assert config["bitwise_equal"] and config["max_abs_diff"] == 0.0 and config["psnr_db"] > 60, config
             assert config["v_major_active_fraction"] is None
     configs = {c["name"]: c for c in report["configs"]}
-    # The fair baseline is stock's algorithm on the fair flat exchange: it ran, and only it.
-    assert set(configs["fair-flat"]["exchanges_by_algorithm"]) == {"flat-p2p"}, configs["fair-flat"]
-    assert configs["fair-flat"]["speedup_vs_fair"] == 1.0
-    assert {o["label"] for o in configs["tapa+vfirst"]["v_overlap"]} == {"flux.double.v", "flux.single.v"}
-    # Auto: the budget policy from its PSNR target ran sparse exchanges (three steps are too few for
-    # its speed check, which times pairs of steps after the warm-up).
-    auto = configs["tapa+vfirst+vmajor-auto"]
-    assert any(name.startswith("v-major") for name in auto["exchanges_by_algorithm"]), auto
-    assert auto["psnr_db"] > 20
-    return configs
+    # The headline's denominator is the faster of the stock layouts, and names it.
+    best = min(("stock U4", "stock U2xR2"), key=lambda name: configs[name]["step_s"])
+    assert report["best_stock"] == best and configs[best]["speedup_vs_best_stock"] == 1.0
+    assert configs["stock U4"]["speedup_vs_stock"] == 1.0 and math.isinf(configs["stock U4"]["psnr_db"])
+    # Ulysses over both nodes sends over the spine; inside the node x Ring over the rails, nothing crosses it.
+    assert configs["stock U4"]["slow_link_bytes"] > 0
+    # The fair baseline on rail is stock's algorithm on the flat exchange routed as NCCL's PXN routes it.
+    assert set(configs["fair-flat U4"]["exchanges_by_algorithm"]) == {"flat-pxn"}, configs["fair-flat U4"]
+    assert configs["fair-flat U4"]["speedup_vs_fair"] == 1.0
+    assert {o["label"] for o in configs["tapa+vfirst U4"]["v_overlap"]} == {"flux.double.v", "flux.single.v"}
+    # cocodiff on Ulysses x Ring: its path ran (V-First), with nothing for V-Major or TAPA to do there.
+    ring = configs["tapa+vfirst U2xR2"]
+    assert ring["layout_flags"] == "--ulysses_degree 2 --ring_degree 2" and ring["v_overlap"] and "stock" not in ring["exchanges_by_algorithm"]
+    if "tapa+vfirst+vmajor-auto U4" in configs:
+        # Auto: the budget policy from its PSNR target ran sparse exchanges (three steps are too few for
+        # its speed check, which times pairs of steps after the warm-up).
+        auto = configs["tapa+vfirst+vmajor-auto U4"]
+        assert any(name.startswith("v-major") for name in auto["exchanges_by_algorithm"]), auto
+        assert auto["psnr_db"] > 20
+    return report
 
 
-def test_e2e_smoke_runs_the_baselines_and_every_mechanism():
-    configs = _smoke(SMOKE)
-    assert list(configs) == [*bench_e2e.BASELINES, *SMOKE]
+def test_e2e_smoke_runs_the_stock_layouts_and_every_mechanism():
+    report = _smoke(SMOKE, floor=False)
+    assert [c["name"] for c in report["configs"]] == [
+        "stock U4", "stock U2xR2", "fair-flat U4", "tapa+vfirst U4", "tapa+vfirst+vmajor-auto U4", "tapa+vfirst U2xR2"]
+    assert report["layouts_not_run"] and report["regime"] == "not measured (no floor run)"
 
 
 @pytest.mark.slow
-def test_e2e_smoke_is_lossless_and_complete():
-    configs = _smoke(None)
-    assert list(configs) == list(bench_e2e.CONFIGS)
+def test_e2e_smoke_is_lossless_and_complete_with_its_floor():
+    report = _smoke(None, floor=True)
+    configs = {c["name"]: c for c in report["configs"]}
+    assert [c["mechanism"] for c in report["configs"]] == ["stock", "stock", "fair-flat", *bench_e2e.MECHANISMS, "tapa+vfirst"]
+    assert report["best_stock_links_share"] is not None and all(c["floor_speedup_vs_best_stock"] > 0 for c in configs.values())
     # V-Major ran (after the first, exact step, its rows as fp8 residuals: every row where the
     # budget needs nearly all of them), and the fabric's counters saw fewer bytes on the slow links.
-    vmajor = configs["tapa+vfirst+vmajor"]
+    vmajor = configs["tapa+vfirst+vmajor U4"]
     assert 0 < vmajor["v_major_active_fraction"] <= 1 and vmajor["psnr_db"] > 20
-    assert vmajor["slow_link_bytes"] < configs["tapa+vfirst"]["slow_link_bytes"]
+    assert vmajor["slow_link_bytes"] < configs["tapa+vfirst U4"]["slow_link_bytes"]
+
+
+def test_the_series_holds_every_stock_layout_a_user_runs():
+    configs, absent = bench_e2e.configs_for("digits-sd3", "aurora-like", 4, 2, ["tapa", "tapa+vfirst"])
+    assert [c.name for c in configs] == ["stock U8", "stock U2xR4", "stock U4xCFG2", "fair-flat U8", "tapa U8",
+                                         "tapa+vfirst U8", "tapa+vfirst U2xR4", "tapa+vfirst U4xCFG2"]
+    assert configs[3].variant == "cocodiff-fair-flat" and bench_e2e.configs_for("digits-flux", "rail", 2, 2, [])[0][2].variant == "cocodiff-fair-pxn"
+    assert absent == ["PipeFusion: xfuser's runner does not allow --pipefusion_parallel_degree for this model"]
+    flux, absent = bench_e2e.configs_for("digits-flux", "rail", 2, 4, [])
+    assert [c.name for c in flux] == ["stock U8", "stock U4xR2", "fair-flat U8"] and len(absent) == 2
 
 
 def test_unknown_configuration_is_refused():
     with pytest.raises(ValueError, match="unknown configuration"):
-        bench_e2e.bench_e2e("rail", configs=("tapa+nothing",))
+        bench_e2e.bench_e2e("rail", mechanisms=("tapa+nothing",))

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from cocodiff_xfuser.tools.bench import e2e
 from cocodiff_xfuser.tools import check, cli, fabric, plan
 from cocodiff_xfuser.tools.launcher import torchrun
 
@@ -80,6 +81,35 @@ def test_without_an_emulated_fabric_it_is_one_line_and_exit_2(monkeypatch, capsy
     assert err == ["cocodiff check: cannot build the rail fabric here: not root"]
 
 
+def _candidate(mechanism, layout, step_s, psnr_db=math.inf, exact=True):
+    return check.candidate(mechanism, layout, mechanism != "stock", step_s, psnr_db, exact)
+
+
+def test_where_a_stock_layout_wins_the_advice_says_so_first():
+    u4, u2r2 = e2e.Layout(4), e2e.Layout(2, ring=2)
+    rec = check.recommend([_candidate("stock", u4, 0.2), _candidate("stock", u2r2, 0.1), _candidate("tapa+vfirst", u4, 0.15),
+                           _candidate("tapa+vfirst", u2r2, 0.11), _candidate("tapa+vfirst+vmajor", u4, 0.05, 45.0, False)], None)
+    assert rec["recommended"] == rec["best_stock"] == "stock U2xR2" and rec["recommended_flags"] == u2r2.flags()
+    assert rec["advice"] == "run stock: stock U2xR2 is the fastest here; cocodiff's best (tapa+vfirst U2xR2) takes 1.10x its step"
+
+
+def test_a_lossy_configuration_is_recommended_only_at_the_users_psnr_target():
+    u4, u2r2 = e2e.Layout(4), e2e.Layout(2, ring=2)
+    measured = [_candidate("stock", u4, 0.2), _candidate("stock", u2r2, 0.1), _candidate("tapa+vfirst+vmajor", u4, 0.05, 45.0, False)]
+    assert check.recommend(measured, 40.0)["recommended"] == "tapa+vfirst+vmajor U4"
+    assert check.recommend(measured, 50.0)["recommended"] == "stock U2xR2"
+    rec = check.recommend(measured, 40.0)
+    assert rec["recommended_flags"] == "--ulysses_degree 4 --ring_degree 1 --sp-backend cocodiff --cocodiff-v-first --cocodiff-v-major on"
+    assert rec["advice"] == "run cocodiff: tapa+vfirst+vmajor U4 is 2.00x the best stock layout (stock U2xR2), 45.0 dB PSNR vs stock"
+
+
+def test_it_measures_the_planners_best_and_the_informed_users_layouts():
+    planned = plan.plan("digits-sd3", 64, cluster="rail", nodes=2, local=2, steps=4)
+    layouts = check.measured_layouts(planned, "digits-sd3", 64, 2, 2)
+    names = [lay.name for lay, _ in layouts]
+    assert "U4" not in names and {"U2xR2", "U2xCFG2"} <= set(names) and len(names) == len(set(names))
+
+
 @pytest.mark.distributed
 def test_check_started_by_torchrun(tmp_path):
     """As on a user's cluster: every rank runs the stages in process; one node (no slow level), so
@@ -96,7 +126,15 @@ def test_check_started_by_torchrun(tmp_path):
     assert "fell back (2x over the ranks): v-major: no slow level" in result.stdout
     coeffs, cluster = plan.calibrate_file(tmp_path / "check-calibration.json")  # what plan --calibrate reads
     assert cluster is not None and coeffs.source.startswith("the slowest level's")
-    assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0
+    assert report["predicted_step_s"] > 0
+    # Stage 4: the stock layouts measured beside cocodiff on each (here Ulysses x Ring, on one node),
+    # cocodiff bitwise the same stock layout, and the recommendation the fastest of them.
+    candidates = {c["name"]: c for c in report["candidates"]}
+    assert {"stock U2", "stock U1xR2"} <= set(candidates) and candidates["stock U1xR2"]["flags"].startswith("--ulysses_degree 1 --ring_degree 2")
+    assert all(c["exact"] for c in candidates.values() if not c["lossy"]), candidates
+    assert report["recommended_step_s"] <= report["best_stock_step_s"] == min(c["step_s"] for c in candidates.values() if c["stock"])
+    assert report["recommended_step_s"] == min(c["step_s"] for c in candidates.values() if not c["lossy"])
+    assert result.stdout.splitlines()[1] == f"advice: {report['advice']}"
     assert (tmp_path / "check.json").exists()
 
 
@@ -107,12 +145,12 @@ ok, why = fabric.available()
 @pytest.mark.fabric
 @pytest.mark.skipif(not ok, reason=f"emulated fabric unavailable: {why}")
 def test_check_on_the_emulated_rail(tmp_path, capfd):
-    assert cli.main(["check", "--fabric", "rail", "--model", "digits-flux", "--out", str(tmp_path), "--json"]) == 0
+    assert cli.main(["check", "--fabric", "rail", "--model", "digits-sd3", "--out", str(tmp_path), "--json"]) == 0
     report = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     assert report["equivalent"] and report["fabric"]["fabric"] == "rail"
     rows = {row["name"]: row for row in report["equivalence"]}
     assert rows["tapa+vfirst+vmajor"]["ran"]["v_major_tokens"] > 0 and not rows["tapa+vfirst+vmajor"]["ran"]["fallbacks"]
     calibration = plan.calibrate_file(tmp_path / "check-calibration.json")  # what plan --calibrate reads
     assert calibration[0].source.startswith("fitted on")
-    assert report["predicted_step_s"] > 0 and report["measured_step_s"] > 0
+    assert report["predicted_step_s"] > 0 and report["recommended_step_s"] <= report["best_stock_step_s"]
     assert math.isfinite(report["prediction_error"])

@@ -229,3 +229,13 @@ def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert out.stdout.splitlines()[0].startswith(("calibrated:", "UNCALIBRATED:")), out.stdout
+
+
+def test_the_ranking_marks_the_best_stock_layout(capsys):
+    rep = plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=2)
+    assert rep["best_stock"] == min(rep["ranked"], key=lambda r: r["stock_step_s"])
+    assert rep["speedup_vs_best_stock"] == rep["best_stock"]["stock_step_s"] / rep["ranked"][0]["step_s"]
+    assert cli.main(["plan", "--model", "flux-dev"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sum(line.endswith("<- best stock layout") for line in out) == 1
+    assert any(line.startswith("best stock layout: --ulysses_degree") for line in out)

@@ -150,6 +150,66 @@ def case_pipelined() -> None:
         order._launches = saved
 
 
+def case_pxn() -> None:
+    """The PXN-like flat exchange (``flat-pxn``): bitwise flat's on every node x local layout of this
+    world size, several in flight with different completion timing, only the own chunk copied, the
+    same launches on every rank; refused with a reason where the group has no node x local split."""
+    runs = {4: [("2x2", [list(range(4))])], 8: [("2x4", [list(range(8))]), ("4x2", [list(range(8))]),
+                                                 ("2x2x2", [[0, 1, 4, 5], [2, 3, 6, 7]])]}[WORLD]  # last: node x tile
+    for spec, groups in runs:
+        group = make_groups(groups) if len(groups) > 1 else dist.group.WORLD
+        hier = HierarchicalAllToAll(Topology.parse(spec), groups)
+        pxn = Registry(hier)["flat-pxn"]
+        size = len(groups[0])
+        # A 4-, a 2- and a 1-byte type (fp8 travels as integers); flat, long, multi-dim and empty chunks.
+        for seed, (dtype, shape) in enumerate((d, s) for d in DTYPES[::2] for s in [(size,), (size * 257,), (2 * size, 3, 5), (0, 4)]):
+            x = rand_bits(shape, dtype, 1100 + seed)
+            check(pxn.reason(x, group) is None, f"{spec}: flat-pxn refused {shape}: {pxn.reason(x, group)}")
+            check(same_bits(pxn.run(x, group), flat_all_to_all(x, group)), f"{spec} {dtype} {shape}: flat-pxn != flat")
+        x = rand_bits((size * 64,), torch.float32, 1190)
+        x_before, ref = x.clone(), flat_all_to_all(x, group)
+        h = pxn.start(x, group)
+        check(h.advance(), "flat-pxn: every phase launched after one advance")
+        check(same_bits(h.wait(), ref) and same_bits(x, x_before), f"{spec}: advanced != flat, or input modified")
+        before = commstats.ran()["copied_bytes"]
+        pxn.run(x, group)
+        copied = commstats.ran()["copied_bytes"] - before
+        check(copied == x.numel() * 4 // size, f"{spec}: flat-pxn copied {copied} bytes, not only the own chunk")
+        check(pxn.reason(torch.zeros(size + 1), group) is not None, f"{spec}: an indivisible input must be refused")
+    # One program order: every rank launches the same sequence whatever completes first (several
+    # exchanges in flight, advanced and waited out of start order, some ranks late).
+    hier = HierarchicalAllToAll(Topology.parse(runs[0][0]), [list(range(WORLD))])
+    registry = Registry(hier)
+    saved, order._launches = order._launches, []
+    try:
+        xs = [rand_bits((WORLD * 512,), torch.float32, 1200 + i) for i in range(3)]
+        handles = [registry["flat-pxn"].start(xs[0], None), hier.start(xs[1]), registry["flat-pxn"].start(xs[2], None)]
+        if RANK % 2:
+            time.sleep(0.05)  # completion timing differs between ranks; the launches must not
+        handles[2].advance()
+        for i in (2, 1, 0):
+            check(same_bits(handles[i].wait(), flat_all_to_all(xs[i])), f"audited flat-pxn #{i}")
+        sequences = [None] * WORLD
+        dist.all_gather_object(sequences, order.launches())
+        check(len(sequences[0]) >= 8 and all(q == sequences[0] for q in sequences), "ranks launched in different orders")
+        check(("level 0 of " + str(hier.levels()), "relayed chunks") in sequences[0], f"the relay runs on the rails: {sequences[0]}")
+    finally:
+        order._launches = saved
+    # Forced where it cannot run: flat, with the reason, counted (as every algorithm).
+    refused = {4: [("2x2", [[0, 1], [2, 3]], "fewer than two"), ("2x2", [[0, 2], [1, 3]], "fewer than two")],
+               8: [("2x2x2", [list(range(8))], "3 levels"), ("2x2x2", [[0, 1, 2, 3], [4, 5, 6, 7]], "inside one node")]}[WORLD]
+    for spec, groups, why in refused:
+        group = make_groups(groups) if len(groups) > 1 else dist.group.WORLD
+        registry = Registry(HierarchicalAllToAll(Topology.parse(spec), groups))
+        x = torch.zeros(len(groups[0]) * 4)
+        reason = registry.reason("flat-pxn", x, group) or ""
+        check(why in reason and "flat-pxn" not in registry.eligible(x, group), f"{spec} {groups}: reason {reason!r}")
+        fallbacks = sum(commstats.ran()["fallbacks"].values())
+        check(AutoAllToAll(registry, a2a="flat-pxn").choose(x, group) == "flat", f"{spec} {groups}: forced flat-pxn must fall back")
+        check(sum(commstats.ran()["fallbacks"].values()) == fallbacks + 1, "the fall-back is counted")
+    check(Registry(None).reason("flat-pxn", torch.zeros(WORLD), None) == "no topology levels to exchange over", "no topology")
+
+
 def case_ulysses_layout() -> None:
     """Head blocks written once in the first phase's order: the exchange equals xfuser's layout
     (stack, permute, contiguous) through flat, and the copies are counted."""
@@ -376,7 +436,7 @@ def _slowed(hier: HierarchicalAllToAll, **slow_rank: int) -> Registry:
 
         def slow(x, group=None, run=run, rank=rank):
             if RANK == rank:
-                time.sleep(0.005)  # 10x a small exchange here: slower beyond any noise
+                time.sleep(0.01)  # several times a small exchange here, flat-pxn and hierarchical (2+ phases) included
             return run(x, group)
 
         registry._entries[name] = dataclasses.replace(registry[name], run=slow)
@@ -422,17 +482,19 @@ def case_autotune(tmpdir: str) -> None:
 
         # Every candidate of a gloo group with a plan is measured; the cache keeps all timings.
         eligible = tuner.registry.eligible(xs[0], None)
-        check(eligible == ("flat", "flat-p2p", "hierarchical"), f"candidates {eligible}")
+        check(eligible == ("flat", "flat-p2p", "flat-pxn", "hierarchical"), f"candidates {eligible}")
         for d in tuner.decisions.values():
             check(d.algorithm in ALGORITHMS, f"decision {d}")
-            check(all(t is not None and t > 0 for t in (d.flat_s, d.flat_p2p_s, d.hierarchical_s)), f"timings {d}")
+            check(all(t is not None and t > 0 for t in (d.flat_s, d.flat_p2p_s, d.flat_pxn_s, d.hierarchical_s)), f"timings {d}")
 
         # MAX over ranks: one slow rank decides for everyone.
         check(AutoAllToAll(_slowed(hier, hierarchical=0)).choose(xs[0]) != "hierarchical", "hierarchical slow on rank 0: no rank may pick it")
-        pick = AutoAllToAll(_slowed(hier, flat=1, flat_p2p=2)).choose(xs[0])
-        check(pick == "hierarchical", f"flat/p2p slow on ranks 1/2: all must pick hierarchical, got {pick}")
-        pick = AutoAllToAll(_slowed(hier, flat=1, hierarchical=3)).choose(xs[0])
-        check(pick == "flat-p2p", f"flat slow on rank 1, hierarchical on rank 3: all must pick flat-p2p, got {pick}")
+        pick = AutoAllToAll(_slowed(hier, flat=1, flat_p2p=2, flat_pxn=3)).choose(xs[0])
+        check(pick == "hierarchical", f"flat/p2p/pxn slow on ranks 1/2/3: all must pick hierarchical, got {pick}")
+        pick = AutoAllToAll(_slowed(hier, flat=1, flat_pxn=0, hierarchical=3)).choose(xs[0])
+        check(pick == "flat-p2p", f"flat slow on rank 1, flat-pxn on 0, hierarchical on 3: all must pick flat-p2p, got {pick}")
+        pick = AutoAllToAll(_slowed(hier, flat=1, flat_p2p=2, hierarchical=3)).choose(xs[0])
+        check(pick == "flat-pxn", f"all but flat-pxn slow: all must pick flat-pxn, got {pick}")
 
         # gloo's fair flat exchange is flat-p2p: every measured decision was timed against it.
         check(all(d.reference == "flat-p2p" for d in tuner.decisions.values()), f"references {tuner.decisions}")
@@ -461,6 +523,7 @@ def case_autotune(tmpdir: str) -> None:
         check(AutoAllToAll(registry, a2a="flat").choose(xs[0]) == "flat", "flat override")
         check(AutoAllToAll(registry, a2a="hierarchical").choose(xs[0]) == "hierarchical", "hierarchical override")
         check(AutoAllToAll(registry, a2a="flat-p2p").choose(xs[0]) == "flat-p2p", "flat-p2p override")
+        check(AutoAllToAll(registry, a2a="flat-pxn").choose(xs[0]) == "flat-pxn", "flat-pxn override")
         forced = AutoAllToAll(registry, a2a="flat-p2p")
         ref = flat_all_to_all(xs[0])
         p2p = forced.registry[forced.choose(xs[0])]
@@ -761,15 +824,17 @@ def case_v_major_layer() -> None:
 
 
 def _every_exchange(spec: str) -> list[torch.Tensor]:
-    """One exchange of every kind on the world: flat-p2p, TAPA (plain, advanced, pipelined), and
-    the sparse one- and two-phase exchanges with uneven and empty masks, rows chosen by the
-    receivers, and packed rows (fp8-slow)."""
+    """One exchange of every kind on the world: flat-p2p, flat-pxn (node x local only), TAPA (plain,
+    advanced, pipelined), and the sparse one- and two-phase exchanges with uneven and empty masks,
+    rows chosen by the receivers, and packed rows (fp8-slow)."""
     topo = Topology.parse(spec)
     hier = HierarchicalAllToAll(topo, [list(range(WORLD))])
     x = rand_bits((WORLD * 4 * 64,), torch.float32, 31)
     h = hier.start(x)
     h.advance()
     out = [p2p_all_to_all(x), hier(x), h.wait(), hier(x, parts=2)]
+    if len(topo.sizes) == 2:
+        out.append(Registry(hier)["flat-pxn"].run(x, None))
     level = sparse.build_slow_levels(topo, [list(range(WORLD))])[tuple(range(WORLD))]
     v = torch.randn(WORLD, 2, 12, 4, generator=torch.Generator().manual_seed(RANK))
     mask = torch.arange(12) % (RANK + 2) == 0 if RANK else torch.zeros(12, dtype=torch.bool)
@@ -831,6 +896,7 @@ def case_same_path() -> None:
         check(len(gloo) > 10, f"{spec}: {len(gloo)} batches traced")
         roles = {role for role, _ in gloo}
         check(any("sparse phase 2" in r for r in roles) and any("forwarded halves" in r or "phase 3" in r for r in roles), f"{spec}: {roles}")
+        check(spec == "2x2x2" or any("relayed chunks" in r for r in roles), f"{spec}: flat-pxn traced: {roles}")
         for backend, trace in traces.items():
             check([r for r, _ in trace] == [r for r, _ in gloo], f"{spec}: {backend} posts other batches than gloo")
             # The same pieces per (operation, peer), in the same order: what matching by issue order needs.
@@ -878,6 +944,7 @@ CASES = {
     "p2p_async": case_p2p_async,
     "autotune": case_autotune,
     "pipelined": case_pipelined,
+    "pxn": case_pxn,
     "ulysses_layout": case_ulysses_layout,
 }
 

@@ -33,3 +33,17 @@ def one_at_a_time() -> Iterator[None]:
         finally:
             f.truncate(0)
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``--shapes``: ``NODESxLOCAL,...`` (e.g. ``2x2,2x4,4x2``) as (nodes, ranks per node) pairs."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            nodes, local = (int(v) for v in item.strip().lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--shapes: {item!r} is not NODESxLOCAL (e.g. 2x4)") from None
+        if nodes < 1 or local < 1:
+            raise ValueError(f"--shapes: {item!r} needs at least one node and one rank per node")
+        shapes.append((nodes, local))
+    return shapes

@@ -71,7 +71,9 @@ intra-node hop to the rank on the destination's rail and then use rails only, so
 nothing; on ``shared-uplink``/``aurora-like`` every inter-node byte crosses the node uplink and
 every intra-node cross-GPU byte crosses Xe Link).  ``pattern="flat"`` charges each byte to the
 classes of the fabric's direct route (what a flat all-to-all actually uses), ``"two_phase"`` to the
-route of a two-phase exchange (intra-group hop, then direct).  For a WxW byte matrix the per-class
+route of a two-phase exchange (intra-group hop, then direct), ``"pxn"`` to NCCL's PXN route (a hop
+inside the source node to the rank with the destination's local index, i.e. on its rail, then
+direct; :mod:`cocodiff_xfuser.comm.pxn`).  For a WxW byte matrix the per-class
 aggregate is still used, which is valid but loose for skewed matrices.  Bytes are link-layer bytes:
 TCP/IP/Ethernet headers (~0.7% at the emulation's MTU 9000) and the unlimited bridges' CPU cost are
 not in the bound.
@@ -341,6 +343,13 @@ class Fabric:
         first = self.route(src, hop) if hop != src else ()
         return first + (self.route(hop, dst) if hop != dst else ())
 
+    def pxn_route(self, src: int, dst: int) -> Tuple[str, ...]:
+        """Classes crossed under NCCL's PXN routing: a hop inside ``src``'s node to the rank with
+        ``dst``'s local index (``dst``'s rail on ``rail``), then the direct route from there."""
+        self._check(src, dst)
+        hop = self.node_of(src) * self.local + self.local_of(dst)
+        return self.route(src, hop) + self.route(hop, dst)
+
     def first_hop(self, src: int, dst: int) -> Tuple[str, Optional[str]]:
         """(device, gateway) the sender's namespace uses for ``dst``; checks the built routes."""
         self._check(src, dst)
@@ -373,7 +382,7 @@ class Fabric:
         routing_of = {"all_to_all": "min", "a2a": "min", "alltoall": "min", "min": "min",
                       "flat": "direct", "direct": "direct",
                       "two_phase": "two_phase", "two-phase": "two_phase", "hierarchical": "two_phase",
-                      "tapa": "two_phase"}
+                      "tapa": "two_phase", "pxn": "pxn"}
         if isinstance(pattern, str):
             if pattern not in routing_of:
                 raise ValueError(f"unknown pattern {pattern!r}; use one of {sorted(routing_of)} or a WxW byte matrix")
@@ -384,7 +393,7 @@ class Fabric:
             if len(matrix) != self.world or any(len(row) != self.world for row in matrix):
                 raise ValueError(f"traffic matrix must be {self.world}x{self.world}")
             routing = routing or "min"
-        if routing not in ("min", "direct", "two_phase"):
+        if routing not in ("min", "direct", "two_phase", "pxn"):
             raise ValueError(f"unknown routing {routing!r}")
         out = {name: 0.0 for name in self.link_classes}
         for s in range(self.world):
@@ -396,8 +405,10 @@ class Fabric:
                     classes: Iterable[str] = self.mandatory(s, d)
                 elif routing == "direct":
                     classes = self.route(s, d)
-                else:
+                elif routing == "two_phase":
                     classes = self.two_phase_route(s, d)
+                else:
+                    classes = self.pxn_route(s, d)
                 for c in classes:
                     out[c] += b
         return out
@@ -418,8 +429,8 @@ class Fabric:
         """Physical lower bound (seconds) of the exchange: max over link classes of bytes/aggregate.
 
         ``pattern``: ``"all_to_all"`` (equal splits, routing minimising each class's bytes: the bound
-        of ANY algorithm), ``"flat"`` (equal splits on the direct routes), ``"two_phase"``, or a
-        WxW matrix of bytes (``routing`` = ``"min"`` default, ``"direct"`` or ``"two_phase"``).
+        of ANY algorithm), ``"flat"`` (equal splits on the direct routes), ``"two_phase"``, ``"pxn"``,
+        or a WxW matrix of bytes (``routing`` = ``"min"`` default, ``"direct"``, ``"two_phase"`` or ``"pxn"``).
         """
         bd = self.bound_breakdown(pattern, size_bytes_per_rank, routing)
         return max((v["seconds"] for v in bd.values()), default=0.0)

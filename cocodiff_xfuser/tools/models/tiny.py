@@ -27,6 +27,11 @@ from cocodiff_xfuser.tools.models import digits
 
 FIXTURE_VERSION = "2"  # 2: transformer weights rounded to bf16 values
 DTYPE = torch.float32  # bitwise comparisons on CPU; bf16 matmuls are slow there
+#: The runners here do not offer PipeFusion (xfuser's own FLUX and SD3 runners do, for the hub's
+#: checkpoints): the FLUX family runs diffusers' pipeline, and stock PipeFusion through xfuser's SD3
+#: pipeline wrapper (U2 x PF2, digits-sd3) stops in its first step on gloo with a point-to-point
+#: size mismatch inside xfuser (docs/benchmarks.md).
+PIPEFUSION = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,12 @@ class TinySpec:
     @property
     def model_id(self) -> str:
         return f"cocodiff/{self.name}"
+
+    @property
+    def cfg_parallel(self) -> bool:
+        """Whether the pipeline batches two guidance halves that CFG parallel can split (the FLUX
+        ones are guidance-distilled or unguided)."""
+        return self.pipeline != "FluxPipeline"
 
 
 def prompt_embeddings(
@@ -505,7 +516,7 @@ def _runner_class(spec: TinySpec, base_model) -> type:
     """An xfuser runner model (``xFuserModel`` subclass) for one tiny spec."""
 
     class TinyRunner(base_model.xFuserModel):
-        capabilities = base_model.ModelCapabilities(use_cfg_parallel=True)
+        capabilities = base_model.ModelCapabilities(use_cfg_parallel=True, pipefusion_parallel_degree=PIPEFUSION)
         default_input_values = base_model.DefaultInputValues(
             height=spec.height,
             width=spec.width,
