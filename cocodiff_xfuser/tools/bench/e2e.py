@@ -231,6 +231,7 @@ def bench_e2e(
     for config in configs:
         config.layout.run(run).check()
     tiny_models.ensure_fixture(model)
+    load_before = os.getloadavg()[0]
     with one_at_a_time():
         reports = _run_series(fabric, model, run, configs, repeat, timeout, "")
         floors = {}
@@ -238,7 +239,9 @@ def bench_e2e(
             fast = {k: v * FLOOR_FACTOR for k, v in fabric.params.items() if k.endswith("_bps")}
             unlimited = Fabric(fabric_name, nodes, local, params=fabric.params | fast, fabric_id=fabric.fabric_id)
             floors = _run_series(unlimited, model, run, configs, repeat, timeout, "floor: ")
-    return _report(model, fabric, run, configs, absent, reports, floors, repeat)
+    # Another job on this host's two cores shows in these; judge a series run beside one with care.
+    load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    return _report(model, fabric, run, configs, absent, reports, floors, repeat) | load
 
 
 def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], absent: list[str], reports: dict,
