@@ -78,16 +78,22 @@ def test_host_event_times_like_a_cuda_event():
 
 
 def test_xfuser_envs_report_the_xpu(fake_xpu):
+    def no_answer():
+        raise NotImplementedError("No Accelerators")
+
+    # xfuser's answers on a host it knows no device of: it falls through to the CPU, or has none.
     envs = types.ModuleType("fake_envs")
-    for name in ("get_device_version", "get_torch_distributed_backend", "get_device", "get_device_name", "get_platform"):
-        setattr(envs, name, lambda *a: "cuda")
+    envs.__dict__.update(_is_cuda=lambda: True, _is_hip=lambda: False, get_device=lambda local_rank: torch.device("cpu"),
+                         get_device_name=lambda: "cpu", get_platform=lambda: "cpu",
+                         get_device_version=no_answer, get_torch_distributed_backend=no_answer)
     envs.PACKAGES_CHECKER = types.SimpleNamespace(packages_info={"has_long_ctx_attn": False})
     saved = (torch.cuda.synchronize, torch.cuda.Event)
     try:
         devices.patch_envs(envs, cocodiff_requested=False)
         assert envs.get_torch_distributed_backend() == "xccl"
         assert envs.get_device(2) == torch.device("xpu", 2)
-        assert envs.get_device_name() == "xpu"
+        assert envs.get_device_name() == envs.get_platform() == "xpu"
+        assert envs.get_device_version() is None and envs._is_cuda() is False
         assert envs.PACKAGES_CHECKER.packages_info["has_long_ctx_attn"] is True
         torch.cuda.synchronize()
         assert fake_xpu[-1] == ("synchronize",)

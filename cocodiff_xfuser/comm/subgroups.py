@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from . import faults, order
+from . import faults, order, transport
 
 _created: dict[tuple[int, ...], Any] = {}
 
@@ -36,3 +36,17 @@ def member_of(rank_sets: Sequence[Sequence[int]]) -> Any:
         order.launched(mine, "barrier (first use)")
         dist.barrier(group=mine)
     return mine
+
+
+def release() -> None:
+    """Destroy every sub-group created here, in creation order, and let go of every process group
+    the exchanges cached (collective: every rank calls it at the same program point, after its
+    last exchange). A group still referenced at exit is destroyed in the interpreter's teardown,
+    where gloo has ended ranks with std::terminate ("terminate called without an active exception")."""
+    if _created and dist.is_initialized():
+        # No rank may tear a connection down while a peer still talks on it.
+        dist.barrier()
+        for group in _created.values():  # one order on every rank: creation order
+            dist.destroy_process_group(group)
+    _created.clear()
+    transport.forget_groups()

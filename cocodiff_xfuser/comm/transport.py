@@ -70,6 +70,15 @@ _SENDS_FIRST = ("xccl", "ccl")
 _device_semantics = os.environ.get(DEVICE_SEMANTICS_ENV, "") not in ("", "0")
 _backend_cache: dict[tuple[Any, str], str] = {}
 _group_cache: dict[Any, tuple[int, int]] = {}
+
+
+def forget_groups() -> None:
+    """Drop what is cached per process group (its backend, this rank's place in it): the groups are
+    being destroyed, and a later group may reuse an identity."""
+    _backend_cache.clear()
+    _group_cache.clear()
+
+
 #: When a list: every posted batch as ``("what (role)", [(op, peer, bytes), ...])``, in posting order.
 _trace: list[tuple[str, list[tuple[str, int, int]]]] | None = None
 

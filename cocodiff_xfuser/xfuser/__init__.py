@@ -41,6 +41,14 @@ def enabled() -> bool:
     return False
 
 
+_RING_NPU = "xfuser.core.long_ctx_attention.ring.ring_npu_flash_attn"
+
+
+def _before_ring_npu(module: types.ModuleType) -> None:
+    devices.open_yunchang_gate(module)
+    workarounds.supply_update_npu_out(module)
+
+
 def _after_usp(usp: types.ModuleType) -> None:
     devices.close_yunchang_gate(usp)
     activation.route_all_to_all(usp)
@@ -49,18 +57,21 @@ def _after_usp(usp: types.ModuleType) -> None:
 #: module -> (before its body runs, after it ran). The yunchang gate is closed after a failed body too.
 HOOKS: dict[str, tuple[Hook | None, Hook | None]] = {
     "xfuser.envs": (None, lambda envs: devices.patch_envs(envs, flags.cocodiff_requested())),
-    **{name: (devices.open_yunchang_gate, devices.close_yunchang_gate) for name in devices.YUNCHANG_GATED[1:]},
+    **{name: (devices.open_yunchang_gate, devices.close_yunchang_gate) for name in devices.YUNCHANG_GATED},
+    # Two gated modules take more than the gate (these entries replace theirs above).
     devices.YUNCHANG_GATED[0]: (devices.open_yunchang_gate, _after_usp),
+    _RING_NPU: (_before_ring_npu, devices.close_yunchang_gate),
     "xfuser.config.args": (None, flags.patch_args),
     "xfuser.core.distributed.parallel_state": (None, devices.patch_parallel_state),
     "xfuser.core.distributed.group_coordinator": (None, devices.patch_group_coordinator),
     "xfuser.core.distributed.runtime_state": (None, lambda rs: (devices.patch_runtime_state(rs), activation.patch_runtime_state(rs), padded.patch_runtime_state(rs))),
     "xfuser.core.distributed.attention_backend": (None, devices.patch_attention_backends),
     "xfuser.model_executor.models.runner_models.loading.placement": (None, devices.patch_placement),
-    "xfuser.model_executor.models.runner_models.base_model": (None, activation.patch_runner_base_model),
+    "xfuser.model_executor.models.runner_models.base_model": (
+        None, lambda bm: (devices.patch_runner_base_model(bm), activation.patch_runner_base_model(bm))
+    ),
     "xfuser.model_executor.pipelines.base_pipeline": (None, activation.patch_base_pipeline),
-    "xfuser.model_executor.pipelines.pipeline_flux": (None, devices.patch_generator_devices),
-    "xfuser.model_executor.pipelines.pipeline_stable_diffusion_3": (None, devices.patch_generator_devices),
+    **{name: (None, devices.patch_cuda_calls) for name in devices.CUDA_GENERATORS},
     "xfuser.model_executor.models.transformers.transformer_flux": (
         None, lambda flux: (workarounds.patch_transformer_flux(flux), padded.patch_transformer_flux(flux))
     ),
@@ -80,8 +91,8 @@ def before_exec(module: types.ModuleType) -> None:
 
 
 def after_exec(module: types.ModuleType, succeeded: bool) -> None:
-    before, after = HOOKS.get(module.__name__, (None, None))
+    after = HOOKS.get(module.__name__, (None, None))[1]
     if succeeded and after is not None:
         after(module)
-    elif not succeeded and before is devices.open_yunchang_gate:
+    elif not succeeded and module.__name__ in devices.YUNCHANG_GATED:
         devices.close_yunchang_gate(module)

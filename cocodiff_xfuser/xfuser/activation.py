@@ -11,7 +11,7 @@ import types
 from typing import NoReturn
 
 from cocodiff_xfuser import backend, commstats, padding
-from cocodiff_xfuser.comm import faults
+from cocodiff_xfuser.comm import faults, subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import compat, flags, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
@@ -69,8 +69,28 @@ def user_error(message: str) -> NoReturn:
     os._exit(2)
 
 
+def release() -> None:
+    """Let go of cocodiff's process groups before xfuser destroys its own (collective: every user
+    job ends in xfuser's clean-up on every rank): the active backend, its decisions written as they
+    would be at exit, and the sub-groups (:func:`subgroups.release`)."""
+    active = backend.active()
+    if active is not None:
+        active.save_decisions()
+        backend.deactivate()
+    subgroups.release()
+
+
+def _releasing_first(original):
+    def destroy_distributed_env(self):
+        release()
+        return original(self)
+
+    return destroy_distributed_env
+
+
 def patch_runtime_state(rs: types.ModuleType) -> None:
     compat.wrap(rs.RuntimeState, "_check_distributed_env", _activating_backend)
+    compat.wrap(rs.RuntimeState, "destroy_distributed_env", _releasing_first)
 
 
 def _routed_all_to_all(original):
@@ -107,7 +127,9 @@ def _adapting_model_after(original, get_transformers):
         if reason is not None and uneven is not None:
             user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
         if reason is not None:
-            logger.warning("cocodiff: %s; falling back to stock Ulysses", reason)
+            # Which stock takes over: these models run xfuser's long-context attention, built on yunchang.
+            logger.warning("cocodiff: %s; falling back to stock Ulysses (xfuser %s, yunchang %s)",
+                           reason, compat.xfuser_version(), importlib.metadata.version("yunchang"))
             commstats.count_fallback(f"model: {reason}")
             backend.deactivate()
         elif active.options.v_first or uneven is not None:

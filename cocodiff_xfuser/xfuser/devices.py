@@ -13,6 +13,8 @@ import logging
 import os
 import types
 
+import torch
+
 from cocodiff_xfuser.platform import adopt_mpi_environment, detect
 from cocodiff_xfuser.xfuser import compat
 
@@ -27,30 +29,54 @@ YUNCHANG_GATED = (
     "xfuser.core.long_ctx_attention.hybrid.attn_layer",
     "xfuser.core.long_ctx_attention.ring.ring_flash_attn",
     "xfuser.core.sparge_attention.head_balance",
+    "xfuser.core.long_ctx_attention.ring.ring_npu_flash_attn",
 )
 
 
 def patch_envs(envs: types.ModuleType, cocodiff_requested: bool) -> None:
-    """xfuser's device queries answer for the platform; mpiexec's rank variables are adopted."""
+    """xfuser's device queries answer for the platform where xfuser has no answer; mpiexec's rank
+    variables are adopted."""
     plat = detect()
     if (cocodiff_requested or not plat.is_cuda) and adopt_mpi_environment():
         logger.info("cocodiff: rank %s of %s from the MPI launcher's environment", os.environ["RANK"], os.environ["WORLD_SIZE"])
     if plat.is_cuda:
         return
-    for name, value in (
-        ("get_device_version", lambda: None),
-        ("get_torch_distributed_backend", lambda: plat.dist_backend),
-        ("get_device", lambda local_rank: plat.device(local_rank)),
-        ("get_device_name", lambda: plat.name),
-        ("get_platform", lambda: plat.name),
-    ):
+    # xfuser reads "torch was built for CUDA / ROCm" as "this host has such a device"; here it has none.
+    for name in ("_is_cuda", "_is_hip"):
         compat.target(envs, name)
-        setattr(envs, name, value)
+        setattr(envs, name, lambda: False)
+    # Otherwise xfuser's own answers stand (its tests mock the device it sees): it only lacks an XPU
+    # branch (it falls through to "cpu") and a version and backend for a host without accelerators.
+    compat.wrap(envs, "get_device", lambda original: lambda local_rank: _platform_for_cpu(original(local_rank), detect().device(local_rank)))
+    for name in ("get_device_name", "get_platform"):
+        compat.wrap(envs, name, lambda original: lambda: _platform_for_cpu(original(), detect().name))
+    compat.wrap(envs, "get_device_version", _or_else(lambda: None))
+    compat.wrap(envs, "get_torch_distributed_backend", _or_else(lambda: detect().dist_backend))
     # xfuser only enables USP when yunchang's long-context attention is importable, which it
     # checks with a CUDA gate; yunchang's all-to-all and ring code are device-agnostic.
     if importlib.util.find_spec("yunchang") is not None:
         compat.target(envs, "PACKAGES_CHECKER").packages_info["has_long_ctx_attn"] = True
     _shim_torch_cuda()
+
+
+def _platform_for_cpu(answer, platform_answer):
+    """xfuser's answer, unless it is its fall-through "cpu" (on XPU it is wrong)."""
+    return platform_answer if str(answer) == "cpu" else answer
+
+
+def _or_else(fallback):
+    """xfuser's answer, or ``fallback()`` where it has none (it raises NotImplementedError)."""
+
+    def make(original):
+        def answer():
+            try:
+                return original()
+            except NotImplementedError:
+                return fallback()
+
+        return answer
+
+    return make
 
 
 def _shim_torch_cuda() -> None:
@@ -59,8 +85,6 @@ def _shim_torch_cuda() -> None:
     The ``xdit`` runner times runs with them (``runner.py`` runs as ``__main__`` and cannot be
     patched as a module); without CUDA they can only raise.
     """
-    import torch
-
     if compat.is_wrapped(torch.cuda.synchronize):
         return
 
@@ -141,28 +165,46 @@ def _cpu_default_attention(original):
 
 
 def patch_placement(placement: types.ModuleType) -> None:
-    plat = detect()
-    if plat.is_cuda:
+    """xfuser's placement runs as it is, but its move of the pipeline to ``cuda:{local_rank}``
+    (hard-coded) goes to this rank's device. Its quantized-GEMM walks need no routing: on a host
+    without CUDA xfuser's own preflight refuses those formats before anything is loaded."""
+    if detect().is_cuda:
         return
 
     def make(original):
         def place_pipeline_components(loader):
-            model = loader.model
-            config = model.config
-            unsupported = [
-                flag
-                for flag in ("use_fp4_gemms", "use_fp6_gemms", "use_fp8_gemms")
-                if getattr(config, flag, False)
-            ]
-            if unsupported:
-                raise NotImplementedError(f"{', '.join(unsupported)} need CUDA; not available on {plat.name}")
-            from xfuser.core.distributed import get_world_group
-
-            model.pipe = model.pipe.to(plat.device(get_world_group().local_rank))
+            pipe = loader.model.pipe
+            own = vars(pipe).get("to")  # a pipeline stand-in may carry its own ``to``
+            move = pipe.to
+            pipe.to = lambda device, *args, **kwargs: move(_on_platform(detect(), device), *args, **kwargs)
+            try:
+                return original(loader)
+            finally:
+                if own is None:
+                    del pipe.to
+                else:
+                    pipe.to = own
 
         return place_pipeline_components
 
     compat.wrap(placement, "place_pipeline_components", make)
+
+
+def patch_runner_base_model(base_model: types.ModuleType) -> None:
+    """The runner's CPU offload brings components back to ``cuda:{local_rank}`` (hard-coded): to
+    this rank's device instead."""
+    if detect().is_cuda:
+        return
+    model = compat.target(base_model, "xFuserModel")
+    compat.wrap(model, "_local_onload_device", lambda original: lambda self: _on_platform(detect(), original(self)))
+
+
+def _on_platform(plat, device):
+    """``device``, or the platform's device of the same index where it names CUDA."""
+    device = torch.device(device) if isinstance(device, str) else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return plat.device(device.index or 0)
+    return device
 
 
 def patch_attention_backends(ab: types.ModuleType) -> None:
@@ -173,7 +215,6 @@ def patch_attention_backends(ab: types.ModuleType) -> None:
     """
     if detect().name != "cpu":
         return
-    import torch
 
     def cpu_flash_attention(query, key, value, dropout_p=0.0, is_causal=False, attention_kwargs=None):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -184,37 +225,63 @@ def patch_attention_backends(ab: types.ModuleType) -> None:
     compat.target(ab, "ATTENTION_FUNCTION_REGISTRY")[compat.target(ab.AttentionBackendType, "SDPA_FLASH")] = cpu_flash_attention
 
 
-def patch_generator_devices(pipeline_module: types.ModuleType) -> None:
-    """The example-script warm-up (``prepare_run``) builds a CUDA generator; use the platform's device."""
-    plat = detect()
-    if plat.is_cuda:
+#: xfuser 0.7.0 modules whose run builds its random generator on "cuda": the example pipelines'
+#: warm-up (``prepare_run``) and the runner models' ``_run_pipe``.
+CUDA_GENERATORS = (
+    "xfuser.model_executor.pipelines.pipeline_flux",
+    "xfuser.model_executor.pipelines.pipeline_flux2",
+    "xfuser.model_executor.pipelines.pipeline_flux_control",
+    "xfuser.model_executor.pipelines.pipeline_sana",
+    "xfuser.model_executor.pipelines.pipeline_sana_sprint",
+    "xfuser.model_executor.pipelines.pipeline_stable_diffusion_3",
+    "xfuser.model_executor.models.runner_models.ideogram4",
+    "xfuser.model_executor.models.runner_models.krea2",
+    "xfuser.model_executor.models.runner_models.lingbot_video",
+    "xfuser.model_executor.models.runner_models.ltx",
+    "xfuser.model_executor.models.runner_models.minimax_h3",
+)
+
+
+#: Runner models that place their own components on "cuda:{rank}", past what can be routed:
+#: module -> (class, the method that does it, what it does). On a host without CUDA that method
+#: refuses in one line; ``__init__``: the whole model.
+CUDA_ONLY_RUNNERS = {
+    "xfuser.model_executor.models.runner_models.lingbot_video": (
+        "xFuserLingBotVideoMoEModel", "__init__", "moves its refiner, and under FSDP its other components, to CUDA itself"
+    ),
+    "xfuser.model_executor.models.runner_models.minimax_h3": (
+        "xFuserMiniMaxH3Model", "_parallelize_text_encoder", "builds its text encoder's tensor-parallel mesh on CUDA itself"
+    ),
+}
+
+
+class _PlatformTorch(types.ModuleType):
+    """``torch`` as a module of :data:`CUDA_GENERATORS` sees it: a generator asked for on "cuda" is
+    built on the platform's device; every other name is torch's own. The module's code runs as
+    xfuser wrote it (a copy of each caller would drift from xfuser's arguments)."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def Generator(device="cpu"):
+        return torch.Generator(device=_on_platform(detect(), device))
+
+
+def patch_cuda_calls(module: types.ModuleType) -> None:
+    """A module of :data:`CUDA_GENERATORS`: its generators routed, and a runner's CUDA-only method
+    (:data:`CUDA_ONLY_RUNNERS`) refused."""
+    if detect().is_cuda:
         return
-    import torch
+    compat.target(module, "torch")
+    module.torch = _PlatformTorch("torch")
+    if module.__name__ in CUDA_ONLY_RUNNERS:
+        name, method, reason = CUDA_ONLY_RUNNERS[module.__name__]
 
-    cls = next(
-        obj
-        for obj in vars(pipeline_module).values()
-        if isinstance(obj, type) and obj.__module__ == pipeline_module.__name__ and "prepare_run" in vars(obj)
-    )
+        def make(original):
+            def refused(self, *args, **kwargs):
+                raise NotImplementedError(f"xfuser {compat.xfuser_version()}'s {type(self).__name__} {reason}; it cannot run on {detect().name}")
 
-    def make(original):
-        def prepare_run(self, input_config, steps: int = 3, sync_steps: int = 1):
-            from xfuser.core.distributed import get_runtime_state
+            return refused
 
-            runtime_config = get_runtime_state().runtime_config
-            warmup_steps, runtime_config.warmup_steps = runtime_config.warmup_steps, sync_steps
-            try:
-                self.__call__(
-                    height=input_config.height,
-                    width=input_config.width,
-                    prompt=[""] * input_config.batch_size if input_config.batch_size > 1 else "",
-                    num_inference_steps=steps,
-                    generator=torch.Generator(device=plat.device(0).type).manual_seed(42),
-                    output_type=input_config.output_type,
-                )
-            finally:
-                runtime_config.warmup_steps = warmup_steps
-
-        return prepare_run
-
-    compat.wrap(cls, "prepare_run", make)
+        compat.wrap(compat.target(module, name), method, make)

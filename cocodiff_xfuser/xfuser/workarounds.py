@@ -8,11 +8,12 @@ reference cocodiff is compared with.
 
 from __future__ import annotations
 
+import importlib.metadata
 import types
 
 from cocodiff_xfuser import backend
 from cocodiff_xfuser.platform import detect
-from cocodiff_xfuser.xfuser import compat
+from cocodiff_xfuser.xfuser import compat, flags
 
 
 def _on() -> bool:
@@ -88,3 +89,27 @@ def _refuse_padding(hidden_states, encoder_hidden_states) -> None:
                 f"by the SP degree {sp}; xfuser 0.7.0 would attend to its zero padding and change the image. "
                 f"Choose a resolution / max_sequence_length divisible by {sp}."
             )
+
+
+def supply_update_npu_out(module: types.ModuleType) -> None:
+    """xfuser 0.7.0's NPU ring attention imports ``yunchang.ring.utils.update_npu_out``, which no
+    yunchang release has (0.6.4, the latest, lacks it), and ``xFuserLongContextAttention`` imports
+    that module on construction: Sana's linear attention and StepVideo could not run on any device.
+    Where yunchang lacks it, a stand-in that refuses in one line: the NPU ring is its only caller.
+
+    Before the module's body runs; decided at import, before the backend is active, so by the flag.
+    """
+    if detect().is_cuda and not flags.cocodiff_requested():
+        return
+    import yunchang.ring.utils as utils
+
+    if hasattr(utils, "update_npu_out"):
+        return
+
+    def update_npu_out(*args, **kwargs):
+        raise NotImplementedError(
+            f"xfuser {compat.xfuser_version()}'s ring attention on NPU needs yunchang's update_npu_out, which "
+            f"yunchang {importlib.metadata.version('yunchang')} lacks; install a yunchang that has it"
+        )
+
+    utils.update_npu_out = update_npu_out
