@@ -143,9 +143,11 @@ class Progress:
 
             self.bar = tqdm(total=total, desc="cocodiff check", unit="part", file=sys.stderr)
 
-    def begin(self, stage: str) -> None:
+    def begin(self, stage: str, parts: int = 0) -> None:
+        """``parts``: what the stage adds to the total, where only the stages before it tell."""
         self.stage = stage
         if self.bar is not None:
+            self.bar.total += parts
             self.bar.set_postfix_str(stage)
 
     def tick(self) -> None:
@@ -181,13 +183,19 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     def timed(args: dict) -> dict:
         done = generate.run_backend(args, cases, repeat, on_call=progress.tick)
         comm, images = done["comm"], np.stack(done["images"]) if done["images"] else None
-        return {"step_s": statistics.median(done["timings"]) / steps, "images": images,
+        timings = done["timings"]
+        return {"step_s": statistics.median(timings) / steps, "spread": (max(timings) - min(timings)) / statistics.median(timings),
+                "images": images,
                 "exposed_s": comm["blocked_s_max_over_ranks"] / (comm["runs"] * steps), "runner": done["runner"],
                 "ran": {**{k: done["ran"][k] for k in ("exchanges", "fallbacks", "v_first_calls")},
                         "v_major_tokens": done["ran"]["v_major"].get("tokens", 0)}}
 
     def slowest(value: float) -> float:  # the slowest rank sets the pace
         return max(generate.gather(value))
+
+    def measured(mechanism: str, layout: bench_e2e.Layout, v_first: bool, timed_run: dict, psnr_db: float, exact: bool) -> dict:
+        return candidate(mechanism, layout, v_first, slowest(timed_run["step_s"]), psnr_db, exact,
+                         spread=slowest(timed_run["spread"]), idle=mechanism != "stock" and not any(timed_run["ran"]["exchanges"].values()))
 
     progress.begin("equivalence")
     ran = {name: timed({**base, **generate.VARIANTS[variant]}) for name, variant in CONFIGS.items()}
@@ -244,11 +252,11 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     shared = [None if layouts is None else [(lay.ulysses, lay.ring, lay.cfg, v_first) for lay, v_first in layouts]]
     dist.broadcast_object_list(shared, src=0)
 
-    progress.begin("measurement")
+    progress.begin("measurement", parts=2 * len(shared[0]) * (1 + repeat))
     full = bench_e2e.Layout(world)
-    candidates = [candidate("stock", full, False, step_s["stock"], math.inf, True)]
-    candidates += [candidate(name, full, name != "tapa", step_s[name], min(v["psnr_db"] for v in verdicts[name] if v),
-                             all(v["bitwise_equal"] for v in verdicts[name] if v))
+    candidates = [measured("stock", full, False, ran["stock"], math.inf, True)]
+    candidates += [measured(name, full, name != "tapa", ran[name], min(v["psnr_db"] for v in verdicts[name] if v),
+                            all(v["bitwise_equal"] for v in verdicts[name] if v))
                    for name in ("tapa", "tapa+vfirst", "tapa+vfirst+vmajor") if any(verdicts[name])]
     runner = ran["stock"]["runner"]
     for ulysses, ring, cfg, v_first in shared[0]:
@@ -261,8 +269,8 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         runner = coco_run["runner"]
         verdict = generate.gather(verdict_against(stock_run["images"], coco_run["images"]))
         exact = all(v["bitwise_equal"] for v in verdict if v)
-        candidates.append(candidate("stock", layout, False, slowest(stock_run["step_s"]), math.inf, True))
-        candidates.append(candidate(mine, layout, v_first, slowest(coco_run["step_s"]), math.inf if exact else -math.inf, exact))
+        candidates.append(measured("stock", layout, False, stock_run, math.inf, True))
+        candidates.append(measured(mine, layout, v_first, coco_run, math.inf if exact else -math.inf, exact))
     dist.barrier()
     runner.cleanup()
     if report is None:
@@ -306,30 +314,46 @@ def measured_layouts(planned: dict, model: str, size: int, nodes: int, local: in
     return layouts
 
 
-def candidate(mechanism: str, layout: "bench_e2e.Layout", v_first: bool, step_s: float, psnr_db: float, exact: bool) -> dict:
-    """One measured configuration: its name, the flags that run it, its step and quality."""
+def candidate(mechanism: str, layout: "bench_e2e.Layout", v_first: bool, step_s: float, psnr_db: float, exact: bool,
+              spread: float = 0.0, idle: bool = False) -> dict:
+    """One measured configuration: its name, the flags that run it, its step and quality, the spread of
+    its timed calls (range over median, the slowest rank's) and, for cocodiff, whether it ran none of
+    its own exchanges (``idle``: stock's work under another flag, e.g. a layout with Ulysses degree 1)."""
     stock = mechanism == "stock"
     flags = layout.flags() + ("" if stock else " --sp-backend cocodiff" + (" --cocodiff-v-first" if v_first else "")
                               + (" --cocodiff-v-major on" if mechanism in LOSSY else ""))
     return {"name": f"{mechanism} {layout.name}", "layout": layout.name, "stock": stock, "lossy": mechanism in LOSSY,
-            "flags": flags, "step_s": step_s, "psnr_db": psnr_db, "exact": exact}
+            "flags": flags, "step_s": step_s, "psnr_db": psnr_db, "exact": exact, "spread": spread, "idle": idle}
+
+
+def noise(candidates: list[dict]) -> float:
+    """The relative difference two measurements of the same work show here: the widest spread of any
+    configuration's timed calls, and each idle cocodiff run against stock on its layout (the same work,
+    measured twice)."""
+    stock = {c["layout"]: c["step_s"] for c in candidates if c["stock"]}
+    aa = [abs(stock[c["layout"]] / c["step_s"] - 1.0) for c in candidates if c["idle"] and c["layout"] in stock]
+    return max([c["spread"] for c in candidates] + aa)
 
 
 def recommend(candidates: list[dict], min_psnr: float | None) -> dict:
     """The fastest lossless candidate (a lossy one only at or above ``min_psnr``), the best stock
-    layout, and the advice's first line."""
+    layout, and the advice's first line. cocodiff is recommended only where it beats the best stock
+    layout by more than the noise; an idle cocodiff run is never a candidate."""
     stock = min((c for c in candidates if c["stock"]), key=lambda c: c["step_s"])
-    eligible = [c for c in candidates if (c["exact"] and not c["lossy"]) or (min_psnr is not None and c["psnr_db"] >= min_psnr)]
-    chosen = min(eligible, key=lambda c: c["step_s"])
+    margin = noise(candidates)
+    coco = [c for c in candidates if not c["stock"] and not c["idle"]
+            and ((c["exact"] and not c["lossy"]) or (min_psnr is not None and c["psnr_db"] >= min_psnr))]
+    best = min(coco, key=lambda c: c["step_s"], default=None)
+    chosen = best if best is not None and stock["step_s"] / best["step_s"] - 1.0 > margin else stock
     if chosen["stock"]:
-        coco = min((c for c in eligible if not c["stock"]), key=lambda c: c["step_s"], default=None)
         advice = (f"run stock: {chosen['name']} is the fastest here"
-                  + ("" if coco is None else f"; cocodiff's best ({coco['name']}) takes {coco['step_s'] / chosen['step_s']:.2f}x its step"))
+                  + ("" if best is None else f"; cocodiff's best ({best['name']}) takes {best['step_s'] / chosen['step_s']:.2f}x its step")
+                  + (f", a tie within {margin:.0%} (the noise measured here)" if best and best["step_s"] < chosen["step_s"] else ""))
     else:
         quality = "bitwise equal to stock" if not chosen["lossy"] else f"{chosen['psnr_db']:.1f} dB PSNR vs stock"
         advice = (f"run cocodiff: {chosen['name']} is {stock['step_s'] / chosen['step_s']:.2f}x the best stock layout "
                   f"({stock['name']}), {quality}")
-    return {"candidates": candidates, "min_psnr_db": min_psnr, "advice": advice,
+    return {"candidates": candidates, "min_psnr_db": min_psnr, "advice": advice, "noise": margin,
             "best_stock": stock["name"], "best_stock_step_s": stock["step_s"], "best_stock_flags": stock["flags"],
             "recommended": chosen["name"], "recommended_step_s": chosen["step_s"], "recommended_flags": chosen["flags"],
             "recommended_psnr_db": chosen["psnr_db"], "speedup_vs_best_stock": stock["step_s"] / chosen["step_s"]}
@@ -366,9 +390,10 @@ def format_report(r: dict) -> str:
                  f"+ exposed communication {r['predicted_comm_s'] * 1e3:.1f} ms): {r['predicted_gain']:.2f}x stock's predicted "
                  f"{r['predicted_stock_step_s'] * 1e3:.1f} ms"
                  + ("" if r["prediction_error"] is None else f"; measured, the prediction is {r['prediction_error']:+.0%} off"))
-    lines.append("measured layouts, stock and with cocodiff (exact: bitwise equal to the same stock layout):")
+    lines.append("measured layouts, stock and with cocodiff (exact: bitwise equal to the same stock layout; idle: cocodiff "
+                 f"exchanged nothing there; noise {r['noise']:.0%}):")
     for c in sorted(r["candidates"], key=lambda c: c["step_s"]):
-        what = "stock" if c["stock"] else ("exact" if c["exact"] else f"{c['psnr_db']:.1f} dB")
+        what = "stock" if c["stock"] else ("idle" if c["idle"] else "exact" if c["exact"] else f"{c['psnr_db']:.1f} dB")
         lines.append(f"  {c['name']:<28} {c['step_s'] * 1e3:8.1f} ms  {c['step_s'] and r['best_stock_step_s'] / c['step_s']:5.2f}x "
                      f"best stock  {what:<8} {c['flags']}")
     lines.append(f"  recommended: {r['recommended_flags']} ({r['recommended_step_s'] * 1e3:.1f} ms per step; best stock "

@@ -43,13 +43,14 @@ def torchrun(
     master_port: int | None = None,
     tail_chars: int = 6000,
     while_running: Callable[[], None] | None = None,
+    cwd: str | os.PathLike | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m torch.distributed.run --nproc-per-node nproc ... *argv`` and wait.
 
     ``argv`` is what follows torchrun's own options: a script and its arguments, or
     ``["-m", "module", ...]``. ``env`` is added to the current environment (``OMP_NUM_THREADS``
     defaults to 1). ``while_running`` is called about once a second until the job ends (a
-    progress bar). Returns the completed process with text stdout/stderr; raises
+    progress bar). ``cwd``: the job's working directory. Returns the completed process with text stdout/stderr; raises
     ``TorchrunError`` on a non-zero exit or on timeout (after killing torchrun and its workers).
     """
     port = master_port or free_port(master_addr)
@@ -63,7 +64,7 @@ def torchrun(
     full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
     # Own session: the terminal's Ctrl-C reaches only us, and we clean up in ``finally``.
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True, cwd=cwd
     )
     timed_out = False
     deadline = time.monotonic() + timeout
