@@ -57,6 +57,11 @@ logger = logging.getLogger("cocodiff_xfuser")
 
 DEFAULTS = CONFIGS / "policies" / "v-major.yaml"
 POLICIES = ("threshold", "top-k", "schedule", "budget")
+#: The knobs each policy reads besides the ones every policy reads (warm-up, refresh, scope, residual
+#: dtype, cache budget): a knob given for a policy that does not read it is refused.
+POLICY_KNOBS = {"threshold": ("metric", "threshold"), "top-k": ("metric", "fraction"),
+                "schedule": ("metric", "final_cached"), "budget": ("error",)}
+POLICY_READ = {knob for knobs in POLICY_KNOBS.values() for knob in knobs}
 METRICS = ("rel-l2", "l1")
 SCOPES = ("v", "qkv", "qkvo")
 RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn")
@@ -127,8 +132,11 @@ class Settings:
     min_psnr_db: float | None = None
 
     @classmethod
-    def load(cls, path: str | Path | None = None, **overrides: Any) -> Settings:
-        """The settings of ``path`` (default: the shipped defaults), with non-None ``overrides`` applied."""
+    def load(cls, path: str | Path | None = None, *, min_psnr_db: float | None = None, strict: bool = False,
+             **overrides: Any) -> Settings:
+        """The settings of ``path`` (default: the shipped defaults), with non-None ``overrides`` applied
+        and auto's ``min_psnr_db``. ``strict`` (a user's settings): a knob that the user's file or an
+        override sets and the chosen policy never reads is an error, not a silent no-op."""
         import yaml
 
         path = Path(path) if path else DEFAULTS
@@ -140,15 +148,28 @@ class Settings:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ValueError(f"{path}: unknown V-Major setting(s) {', '.join(unknown)}; expected {', '.join(names)}")
+        given = {k for k, v in overrides.items() if v is not None} | (set(data) if path != DEFAULTS else set())
         if path != DEFAULTS:  # a user's file may set only some knobs
             data = {**yaml.safe_load(DEFAULTS.read_text()), **data}
         data.update({k: v for k, v in overrides.items() if v is not None})
         try:
-            settings = cls(**{k: (int if names[k] == "int" else float if names[k] == "float" else str)(data[k]) for k in names})
+            settings = cls(**{k: (int if names[k] == "int" else float if names[k] == "float" else str)(data[k]) for k in names},
+                           min_psnr_db=min_psnr_db)
         except (TypeError, ValueError) as e:
             raise ValueError(f"V-Major settings: {e}") from e
         settings.check()
+        if strict:
+            settings.check_read(given)
         return settings
+
+    def check_read(self, given: set[str]) -> None:
+        """One line for the first knob in ``given`` that these settings never read."""
+        for name in sorted(given & (POLICY_READ - set(POLICY_KNOBS[self.policy]))):
+            readers = [policy for policy, knobs in POLICY_KNOBS.items() if name in knobs]
+            raise ValueError(f"--cocodiff-v-major-{name.replace('_', '-')} is not read by policy {self.policy} (read by "
+                             f"{', '.join(readers)}): leave it out or choose one of those with --cocodiff-v-major-policy")
+        if "if_slower" in given and self.min_psnr_db is None:
+            raise ValueError("--cocodiff-v-major-if-slower acts only with --cocodiff-v-major auto (its speed check): leave it out")
 
     def check(self) -> None:
         for name, value, allowed in (

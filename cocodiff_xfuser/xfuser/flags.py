@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import os
 import sys
@@ -156,10 +155,10 @@ def v_major_settings(runtime_config) -> vmajor.Settings | None:
         if chosen:
             raise ValueError(f"--cocodiff-v-major auto sets {' and '.join(chosen)} itself, from --cocodiff-v-major-min-psnr: "
                              f"leave {'them' if len(chosen) > 1 else 'it'} out")
-        target = vmajor.DEFAULT_MIN_PSNR_DB if min_psnr is None else min_psnr
-        overrides.update(policy="budget", error=vmajor.error_for(target))
-    settings = vmajor.Settings.load(getattr(runtime_config, "cocodiff_v_major_config", None), **overrides)
-    return dataclasses.replace(settings, min_psnr_db=target) if mode == "auto" else settings
+        min_psnr = vmajor.DEFAULT_MIN_PSNR_DB if min_psnr is None else min_psnr
+        overrides.update(policy="budget", error=vmajor.error_for(min_psnr))
+    return vmajor.Settings.load(getattr(runtime_config, "cocodiff_v_major_config", None), min_psnr_db=min_psnr, strict=True,
+                                **overrides)
 
 
 def patch_args(args_module: types.ModuleType) -> None:

@@ -314,3 +314,25 @@ def test_v_major_auto_takes_its_budget_from_the_calibration():
         flags.v_major_settings(types.SimpleNamespace(cocodiff_v_major="auto", cocodiff_v_major_policy="top-k"))
     with pytest.raises(ValueError, match="needs --cocodiff-v-major auto"):
         flags.v_major_settings(types.SimpleNamespace(cocodiff_v_major="on", cocodiff_v_major_min_psnr=38.0))
+
+
+def test_a_v_major_knob_its_policy_does_not_read_is_one_line(tmp_path):
+    def settings(**flags_given):
+        return flags.v_major_settings(types.SimpleNamespace(**{f"cocodiff_{k}": v for k, v in flags_given.items()}))
+
+    with pytest.raises(ValueError, match=r"^--cocodiff-v-major-threshold is not read by policy budget \(read by threshold\)"):
+        settings(v_major="on", v_major_threshold=0.3)  # the shipped policy is budget
+    with pytest.raises(ValueError, match="^--cocodiff-v-major-fraction is not read by policy threshold"):
+        settings(v_major="on", v_major_policy="threshold", v_major_fraction=0.3)
+    with pytest.raises(ValueError, match="^--cocodiff-v-major-metric is not read by policy budget"):
+        settings(v_major="auto", v_major_metric="l1")
+    with pytest.raises(ValueError, match="^--cocodiff-v-major-if-slower acts only with --cocodiff-v-major auto"):
+        settings(v_major="on", v_major_if_slower="keep")
+    config = tmp_path / "v-major.yaml"  # a user's file is held to the same rule
+    config.write_text("policy: top-k\nthreshold: 0.2\n")
+    with pytest.raises(ValueError, match="^--cocodiff-v-major-threshold is not read by policy top-k"):
+        settings(v_major="on", v_major_config=str(config))
+    # what each policy reads is accepted
+    assert settings(v_major="on", v_major_policy="threshold", v_major_threshold=0.3, v_major_metric="l1").threshold == 0.3
+    assert settings(v_major="on", v_major_policy="top-k", v_major_fraction=0.3, v_major_warmup_steps=1).fraction == 0.3
+    assert settings(v_major="auto", v_major_if_slower="keep").if_slower == "keep"
