@@ -1,4 +1,4 @@
-"""Import hook that lets :mod:`cocodiff_xfuser.xfuser` patch xfuser modules as they load.
+"""Import hook that lets :mod:`cocodiff_xfuser.xfuser.hooks` patch xfuser modules as they load.
 
 Installed from ``cocodiff_xfuser.pth`` in every interpreter, so it must stay cheap and inert:
 it imports nothing heavy and does nothing until a module of the ``xfuser`` package is imported.
@@ -41,7 +41,7 @@ class XfuserFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != "xfuser" and not fullname.startswith("xfuser."):
             return None
-        from cocodiff_xfuser import xfuser as hooks
+        from cocodiff_xfuser.xfuser import hooks
 
         if not hooks.is_hooked(fullname):
             return None

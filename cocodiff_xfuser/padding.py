@@ -29,6 +29,7 @@ from typing import Iterator, Sequence
 import torch
 
 from cocodiff_xfuser import commstats
+from cocodiff_xfuser.errors import user_error
 
 
 def padded(count: int, world: int) -> int:
@@ -110,8 +111,6 @@ def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, tor
     if _streams is None:
         return key, value
     if key.shape[2] != _streams.world * _streams.local:
-        from cocodiff_xfuser.xfuser.activation import user_error
-
         user_error(
             f"cocodiff: padded tokens of a {_streams.world}-way Ulysses forward, but an attention layer sees "
             f"{key.shape[2]} keys instead of {_streams.world * _streams.local}; this model's sequence layout "

@@ -24,6 +24,7 @@ from cocodiff_xfuser import backend, commstats, padding, vmajor
 from cocodiff_xfuser.comm import layout as comm_layout
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.comm.sparse import Selection, agree_counts
+from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.platform import detect
 from cocodiff_xfuser.xfuser import compat
 
@@ -329,8 +330,6 @@ def _counted(reason: str | None) -> str | None:
         return None
     needed = padding.required()
     if needed is not None:  # stock cannot split these: one clear line, not stock's assertion
-        from cocodiff_xfuser.xfuser.activation import user_error
-
         user_error(f"cocodiff: {needed} need cocodiff's processors, but {reason} sends a layer to stock")
     commstats.count_fallback(f"v-first: {reason}")
     if reason not in _warned:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
-import sys
 import types
-from typing import NoReturn
 
 from cocodiff_xfuser import backend, commstats, padding
 from cocodiff_xfuser.comm import faults, subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
+from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.xfuser import compat, flags, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
@@ -57,16 +55,6 @@ def _activating_backend(original):
             backend.deactivate()
 
     return _check_distributed_env
-
-
-def user_error(message: str) -> NoReturn:
-    """A user's mistake, found alike on every rank: one line from rank 0, then every rank exits with 2."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message if message.startswith("cocodiff") else f"cocodiff: {message}", file=sys.stderr, flush=True)
-    # No tracebacks, and no clean-up that could wait on ranks that already left.
-    os._exit(2)
 
 
 def release() -> None:
@@ -117,11 +105,11 @@ def _adapting_model_after(original, get_transformers):
         active = backend.active()
         if active is None:
             return result
-        from cocodiff_xfuser import processors
+        from cocodiff_xfuser.processors import families
 
         transformers = get_transformers(self, result)
         padded.mark_padded_tokens(transformers)
-        reason = next(filter(None, map(processors.unsupported_reason, transformers)), None)
+        reason = next(filter(None, map(families.unsupported_reason, transformers)), None)
         uneven = padded.uneven_heads(transformers, active.world_size)
         padding.set_uneven_heads(uneven)
         if reason is not None and uneven is not None:
@@ -138,8 +126,8 @@ def _adapting_model_after(original, get_transformers):
                 logger.warning("cocodiff: %s: zero heads padded up to a multiple (cocodiff's processors)", uneven)
             v_major = active.options.v_major if active.slow_level is not None else None
             for transformer in transformers:
-                processors.install(transformer, v_major)
-            stock = sorted({name for t in transformers for name in processors.stock_usp(t)})
+                families.install(transformer, v_major)
+            stock = sorted({name for t in transformers for name in families.stock_usp(t)})
             if uneven is not None and stock:
                 user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
         return result

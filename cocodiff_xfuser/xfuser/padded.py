@@ -99,9 +99,9 @@ def _padding_forward(original):
             logger.info("cocodiff: %d text and %d image tokens padded to %d and %d for ulysses degree %d",
                         text, image, text_to, image_to, layout.world)
         if not self.__dict__.get("_cocodiff_padding"):  # V-First may be off: padding needs cocodiff's processors
-            from cocodiff_xfuser import processors
+            from cocodiff_xfuser.processors import families
 
-            processors.install(self)
+            families.install(self)
             self._cocodiff_padding = True
         encoder_hidden_states = padding.pad_tokens(encoder_hidden_states, text_to, 1)
         hidden_states = padding.pad_tokens(hidden_states, image_to, 1)

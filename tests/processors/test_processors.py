@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cocodiff_xfuser import processors
+from cocodiff_xfuser.processors import families
 from cocodiff_xfuser.tools.launcher import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,14 +44,14 @@ STOCK_MODULES = {
 
 
 def test_every_family_is_registered():
-    assert set(processors.replacements()) == set(STOCK_MODULES)
+    assert set(families.replacements()) == set(STOCK_MODULES)
 
 
 @pytest.mark.parametrize("name", sorted(STOCK_MODULES))
 def test_call_signature_matches_stock(name):
     """diffusers passes a processor only the keyword arguments its ``__call__`` names."""
     stock = getattr(importlib.import_module(STOCK_MODULES[name]), name)
-    ours = processors.replacements()[name]
+    ours = families.replacements()[name]
 
     def params(cls):
         return [(p.name, p.kind, p.default) for p in inspect.signature(cls.__call__).parameters.values()]
@@ -72,12 +72,12 @@ def test_install_swaps_known_processors_and_keeps_the_stock_one():
     stock = type("xFuserQwenDoubleStreamAttnProcessor", (), {})()
     other = type("SomeOtherProcessor", (), {})()
     model = _model(stock, other)
-    assert processors.install(model) == 1
+    assert families.install(model) == 1
     assert type(model.attn0.processor).__name__ == "QwenImageVFirstProcessor"
     assert model.attn0.processor.stock is stock
     assert model.attn1.processor is other
     installed = model.attn0.processor
-    assert processors.install(model) == 1  # a second load hook changes nothing
+    assert families.install(model) == 1  # a second load hook changes nothing
     assert model.attn0.processor is installed
 
 
@@ -91,7 +91,7 @@ def test_wan_cross_attention_keeps_the_stock_processor():
         return stock
 
     model = _model(wan(cross=False), wan(cross=True))
-    assert processors.install(model) == 1
+    assert families.install(model) == 1
     assert type(model.attn0.processor).__name__ == "WanVFirstProcessor"
     assert type(model.attn1.processor).__name__ == "xFuserWanAttnProcessor"
 
@@ -109,7 +109,7 @@ def test_processors_of_wrapped_modules_are_ignored():
     wrapper.processor = type("xFuserAttnProcessor2_0", (), {})()
     model = torch.nn.Module()
     model.attn = wrapper
-    assert processors.install(model) == 1
+    assert families.install(model) == 1
     assert type(wrapper.processor).__name__ == "PixArtVFirstProcessor"
     assert type(inner.processor).__name__ == "AttnProcessor2_0"
 

@@ -82,7 +82,7 @@ def use_backend(v_first: bool) -> None:
 
 def compare(name: str, build, inputs, expected_v: set[str]) -> None:
     """Forward ``build()`` on ``inputs`` with xfuser's processors, then with V-First ones."""
-    from cocodiff_xfuser import processors
+    from cocodiff_xfuser.processors import families
 
     outputs = []
     for v_first in (False, True):
@@ -90,7 +90,7 @@ def compare(name: str, build, inputs, expected_v: set[str]) -> None:
         torch.manual_seed(0)  # same weights on every rank and in both runs
         model = build().eval()
         if v_first:
-            installed = processors.install(model)
+            installed = families.install(model)
             check(installed > 0, f"{name}: no V-First processor installed")
         V_EXCHANGES.clear()
         with torch.no_grad():

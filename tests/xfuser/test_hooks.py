@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-import cocodiff_xfuser.xfuser as hooks
+from cocodiff_xfuser.xfuser import hooks
 from cocodiff_xfuser import _finder
 from cocodiff_xfuser.xfuser import compat, flags
 
@@ -187,26 +187,26 @@ def _transformer_with(*processors):
 def test_models_whose_exchange_bypasses_usp_fall_back_to_stock():
     import xfuser.model_executor.layers.usp  # noqa: F401  (a module that imports USP)
 
-    from cocodiff_xfuser import processors
+    from cocodiff_xfuser.processors import families
 
     sana = type("xFuserSanaLinearAttnProcessor2_0", (), {})()
-    assert "SeqAllToAll4D" in processors.unsupported_reason(_transformer_with(sana))
-    assert "no attention processor" in processors.unsupported_reason(_transformer_with(object()))
+    assert "SeqAllToAll4D" in families.unsupported_reason(_transformer_with(sana))
+    assert "no attention processor" in families.unsupported_reason(_transformer_with(object()))
     calls_usp = type("xFuserSomeAttnProcessor", (), {"__module__": "xfuser.model_executor.layers.usp"})()
-    assert processors.unsupported_reason(_transformer_with(calls_usp, object())) is None
+    assert families.unsupported_reason(_transformer_with(calls_usp, object())) is None
 
 
 def test_stock_usp_processors_that_cannot_carry_padded_heads_are_found():
     import xfuser.model_executor.layers.usp  # noqa: F401  (a module that imports USP)
 
-    from cocodiff_xfuser import processors
+    from cocodiff_xfuser.processors import families
     from cocodiff_xfuser.processors.flux import FluxVFirstProcessor
     from cocodiff_xfuser.xfuser import padded
 
     calls_usp = type("xFuserSomeAttnProcessor", (), {"__module__": "xfuser.model_executor.layers.usp"})()
     ours = FluxVFirstProcessor(stock=object())
-    assert processors.stock_usp(_transformer_with(calls_usp, ours, object())) == {"xFuserSomeAttnProcessor"}
-    assert processors.stock_usp(_transformer_with(ours)) == set()
+    assert families.stock_usp(_transformer_with(calls_usp, ours, object())) == {"xFuserSomeAttnProcessor"}
+    assert families.stock_usp(_transformer_with(ours)) == set()
     model = type("M", (), {"config": type("C", (), {"num_attention_heads": 38})()})()
     assert padded.uneven_heads([model], 4) == "38 attention heads over ulysses degree 4"
     assert padded.uneven_heads([model], 2) is None

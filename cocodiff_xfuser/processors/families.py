@@ -1,0 +1,125 @@
+"""Which V-First processor replaces which of xfuser's, per model family, and their installation.
+
+``install`` swaps xfuser's processor of each attention module for ours where a family module
+provides one; other processors stay stock, which is always correct because every exchange
+still goes through the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from cocodiff_xfuser import backend, vmajor
+from cocodiff_xfuser.processors import flux, flux2, hunyuan_video, pixart, qwen_image, sd3, wan
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+
+def replacements() -> dict[str, type]:
+    """xfuser processor class name -> our V-First processor class."""
+    return {
+        "xFuserFluxAttnProcessor": flux.FluxVFirstProcessor,
+        "xFuserFlux2AttnProcessor": flux2.Flux2VFirstProcessor,
+        "xFuserFlux2ParallelSelfAttnProcessor": flux2.Flux2SingleVFirstProcessor,
+        "xFuserJointAttnProcessor2_0": sd3.SD3VFirstProcessor,
+        "xFuserQwenDoubleStreamAttnProcessor": qwen_image.QwenImageVFirstProcessor,
+        "xFuserWanAttnProcessor": wan.WanVFirstProcessor,
+        "xFuserAttnProcessor2_0": pixart.PixArtVFirstProcessor,
+        "xFuserHunyuanVideoAttnProcessor": hunyuan_video.HunyuanVideoVFirstProcessor,
+    }
+
+
+# xfuser processors whose Ulysses exchange goes through yunchang's SeqAllToAll4D instead of USP,
+# where the cocodiff backend cannot route it.
+BYPASS_USP = frozenset({"xFuserSanaLinearAttnProcessor2_0"})
+
+
+def _processors(transformer: torch.nn.Module) -> list:
+    """The attention processors of ``transformer``; for a V-First one, the stock one it keeps."""
+    ours = tuple(replacements().values())
+    found = [m.processor for m in transformer.modules() if getattr(m, "processor", None) is not None]
+    return [p.stock if isinstance(p, ours) else p for p in found]
+
+
+def unsupported_reason(transformer: torch.nn.Module) -> str | None:
+    """Why the cocodiff backend cannot carry this model's exchanges (None: it can)."""
+    found = _processors(transformer)
+    bypass = sorted({type(p).__name__ for p in found} & BYPASS_USP)
+    if bypass:
+        return f"{type(transformer).__name__} exchanges through yunchang's SeqAllToAll4D ({', '.join(bypass)}), not USP"
+    # A processor that calls USP lives in a module that imported it.
+    if not any(getattr(sys.modules.get(type(p).__module__), "USP", None) is not None for p in found):
+        return f"no attention processor of {type(transformer).__name__} exchanges through xfuser's USP"
+    return None
+
+
+def stock_usp(transformer: torch.nn.Module) -> set[str]:
+    """Stock processors left in ``transformer`` (not ours, not unused) whose module calls ``USP``:
+    what cannot carry padded heads."""
+    ours = tuple(replacements().values())
+    unused = _unused_processors(transformer)
+    return {
+        type(m.processor).__name__
+        for m in transformer.modules()
+        if getattr(m, "processor", None) is not None and id(m) not in unused and not isinstance(m.processor, ours)
+        and getattr(sys.modules.get(type(m.processor).__module__), "USP", None) is not None
+    }
+
+
+def _unused_processors(transformer: torch.nn.Module) -> set[int]:
+    """Modules wrapped by an xfuser layer wrapper: the wrapper's processor runs, theirs never does."""
+    from xfuser.model_executor.layers.base_layer import xFuserLayerBaseWrapper
+
+    return {id(m.module) for m in transformer.modules() if isinstance(m, xFuserLayerBaseWrapper)}
+
+
+def install(transformer: torch.nn.Module, v_major: vmajor.Settings | None = None) -> int:
+    """Swap processors in ``transformer``; returns how many V-First processors it now has.
+
+    Each V-First processor keeps the stock processor it replaces (with its settings) and
+    delegates to it for whatever it does not reproduce. With ``v_major``, each also gets its
+    layer's V-Major state, on one step clock per transformer. Installing twice is harmless.
+    """
+    table = replacements()
+    ours = tuple(table.values())
+    unused = _unused_processors(transformer)
+    installed = 0
+    kept: set[str] = set()
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or id(module) in unused:
+            continue
+        if isinstance(processor, ours):
+            installed += 1
+            continue
+        name = type(processor).__name__
+        replacement = table.get(name)
+        if replacement is None:
+            kept.add(name)
+            continue
+        if not getattr(replacement, "accepts", lambda _: True)(processor):
+            continue  # no Ulysses exchange in this module (e.g. Wan's cross-attention)
+        module.processor = replacement(processor)
+        installed += 1
+    if v_major is not None:
+        _attach_v_major(transformer, v_major)
+    logger.info("cocodiff: V-First processors installed in %d attention modules", installed)
+    if kept:
+        logger.warning("cocodiff: no V-First processor for %s; stock processor kept", ", ".join(sorted(kept)))
+    return installed
+
+
+def _attach_v_major(transformer: torch.nn.Module, settings: vmajor.Settings) -> None:
+    clock = transformer.__dict__.get("_cocodiff_clock")
+    if clock is None:
+        active = backend.active()
+        clock = transformer._cocodiff_clock = vmajor.attach_clock(transformer, None if active is None else active.group, settings)
+    ours = tuple(replacements().values())
+    for module in transformer.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, ours) and processor.v_major is None:
+            processor.v_major = vmajor.Layer(clock, settings)
+    logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
