@@ -201,7 +201,7 @@ class HierarchicalHandle:
             dims = [level] + [d for d in range(len(levels)) if d != level]
             buf = self._pool.acquire(data.numel(), data.dtype, data.device)
             commstats.count_copy(data.numel() * data.element_size())
-            # copy_ into a preallocated buffer: transpose().contiguous() measured ~10x slower (bf16).
+            # copy_ into a preallocated buffer: transpose().contiguous() measured much slower (bf16).
             buf.view([levels[d] for d in dims] + [self._chunk]).copy_(
                 data.view([levels[d] for d in self._order] + [self._chunk]).permute(
                     [self._order.index(d) for d in dims] + [len(levels)]
@@ -239,9 +239,8 @@ class TwoLevelHandle:
     2. ``advance``, once the outer-first halves are in: over the inner level, forward them.
 
     Every piece is a contiguous chunk (or half) of the input, a relay buffer or the output, sent
-    and received in place, so the only local copy is the own chunk (1/W of the data). (Rail 2x4,
-    16 MiB/rank, separate runs: 122 ms with re-blocking copies, 99 ms copy-free relaying
-    inner-first only, 81-91 ms with both routes; docs/benchmarks.md has the current figures.)
+    and received in place, so the only local copy is the own chunk (1/W of the data): re-blocking
+    copies, and relaying one route only, each measured slower (docs/benchmarks.md).
     """
 
     def __init__(self, x: torch.Tensor, plan: GroupPlan, out: torch.Tensor | None = None) -> None:
