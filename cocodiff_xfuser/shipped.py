@@ -2,7 +2,8 @@
 
 ``configs/`` (topology presets, V-Major's policies and calibration) sits at the top of the source
 tree and is installed into the wheel as ``cocodiff_xfuser/configs``; the a2a measurements the
-planner is fitted on (``docs/results/a2a-<fabric>-<shape>.json``) as ``cocodiff_xfuser/results``
+planner is fitted on (``docs/results/a2a-<fabric>-<shape>.json``) and the V-Major sweep it prices
+V-Major from as ``cocodiff_xfuser/results``
 (pyproject.toml). One copy of each, found from either place.
 """
 
