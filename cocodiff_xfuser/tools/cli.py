@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     demo_cmd.add_argument("--out", default="demo-output", help="directory for the grid and the report")
     demo_cmd.add_argument("--seed", type=int, default=0)
     demo_cmd.add_argument("--timeout", type=float, default=demo.TIMEOUT_S)
+    demo_cmd.add_argument("--no-cluster", action="store_true",
+                          help="the loopback part only: skip the emulated cluster (which needs root and 3-4 minutes)")
 
     topology_cli.add_parser(sub)
 

@@ -27,7 +27,7 @@ CLUSTER_COMMAND = f"sudo .venv/bin/cocodiff bench e2e --fabric {CLUSTER} --model
 def main(args) -> int:
     out = Path(args.out)
     run = Run(model=digits.NAME, ulysses_degree=4, topology=TOPOLOGY, v_first=True, seed=args.seed)
-    ok, why = fabric.available()
+    ok, why = (False, "--no-cluster") if args.no_cluster else fabric.available()
     parts = 3 if ok else 2
     print(
         f"[1/{parts}] cocodiff/{digits.NAME} (a FLUX transformer trained on scikit-learn's digits, shipped): "

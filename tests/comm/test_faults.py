@@ -90,6 +90,7 @@ def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
 
 
 @pytest.mark.fabric
+@pytest.mark.slow  # the xdit job above takes the same path over loopback in make test
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
 def test_a_failed_rank_ends_an_emulated_multi_node_job(tmp_path, fault):
     """The same on the emulated 2 nodes x 2 cluster (network namespaces, rail fabric): the job ends,

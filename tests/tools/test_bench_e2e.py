@@ -66,6 +66,7 @@ def _smoke(configs: tuple[str, ...] | None, floor: bool) -> dict:
     return report
 
 
+@pytest.mark.slow  # a benchmark run (6 jobs on the emulated fabric); the demo's cluster part runs the same path
 def test_e2e_smoke_runs_the_stock_layouts_and_every_mechanism():
     report = _smoke(SMOKE, floor=False)
     assert [c["name"] for c in report["configs"]] == [

@@ -45,6 +45,7 @@ def test_classifier_reads_the_real_digits(classifier):
     assert classifier.held_out_accuracy >= 0.97
 
 
+@pytest.mark.slow  # the trained models' quality (30 samples each), not the code's
 @pytest.mark.parametrize("model", digits.TRAINED)
 def test_generated_images_show_the_prompted_digit(classifier, model):
     """A few dozen one-process samples (plain diffusers, the shipped checkpoint; digits-sd3 with its

@@ -84,6 +84,7 @@ def _quality_json(tmp_path, prompts: str, *flags: str) -> dict:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # make test's demo test runs the same measurement (10 digits, identical, what ran)
 def test_lossless_configuration_reports_identical_images(tmp_path):
     """The CLI on the trained model, TAPA forced through a passed-on xdit flag: identical images,
     nothing saved on the slow link, and proof that the forced exchange ran."""
@@ -100,6 +101,7 @@ def test_lossless_configuration_reports_identical_images(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a quality measurement; make test runs V-Major's paths bitwise (equivalence) and sparse (vmajor, exchanges)
 def test_v_major_default_meets_its_quality_and_bytes_target(tmp_path):
     """``--v-major on`` at the shipped defaults on the trained model: within 35 dB of stock Ulysses,
     at least 40% of the slow-link bytes saved, and the sparse exchanges really ran."""
