@@ -164,7 +164,9 @@ class Settings:
 
     def check_read(self, given: set[str]) -> None:
         """One line for the first knob in ``given`` that these settings never read."""
-        for name in sorted(given & (POLICY_READ - set(POLICY_KNOBS[self.policy]))):
+        unread = sorted(given & (POLICY_READ - set(POLICY_KNOBS[self.policy])))
+        if unread:
+            name = unread[0]
             readers = [policy for policy, knobs in POLICY_KNOBS.items() if name in knobs]
             raise ValueError(f"--cocodiff-v-major-{name.replace('_', '-')} is not read by policy {self.policy} (read by "
                              f"{', '.join(readers)}): leave it out or choose one of those with --cocodiff-v-major-policy")
