@@ -66,7 +66,7 @@ def decoded(ranks: list[dict]) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def stock(tmp_path_factory):
+def stock_run(tmp_path_factory):
     """Each example's stock run, made once (run -> its ranks' records)."""
     done = {}
 
@@ -80,8 +80,8 @@ def stock(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("script", sorted(fixtures.BUILDERS))
-def test_the_example_is_bitwise_stock_with_cocodiff(script, stock, tmp_path):
-    stock = stock(script)
+def test_the_example_is_bitwise_stock_with_cocodiff(script, stock_run, tmp_path):
+    stock = stock_run(script)
     mine = run_example(script, tmp_path / "cocodiff", COCODIFF, STEPS.get(script, 4))
     assert all(set(rank["ran"]["exchanges"]) == {"stock"} for rank in stock)
     for rank in mine:  # cocodiff's path ran on every rank: TAPA only, V-First's processors, no fall-back
@@ -93,9 +93,9 @@ def test_the_example_is_bitwise_stock_with_cocodiff(script, stock, tmp_path):
 
 
 @pytest.mark.distributed
-def test_the_pixart_sigma_example_with_v_major(stock, tmp_path):
+def test_the_pixart_sigma_example_with_v_major(stock_run, tmp_path):
     script = "pixartsigma_example.py"
-    stock = stock(script)
+    stock = stock_run(script)
     mine = run_example(script, tmp_path / "cocodiff", ["--sp-backend", "cocodiff", "--cocodiff-topology", "2x2",
                                                        "--cocodiff-v-major", "on"], STEPS[script])
     for rank in mine:

@@ -84,7 +84,7 @@ def prompt_embeddings(
     return torch.cat(embeds), torch.cat(pooled) if pooled_dim else None
 
 
-def _small_vae(latent_channels: int):
+def small_vae(latent_channels: int):
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
@@ -118,7 +118,7 @@ def _flux() -> dict:
             guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
         ),
-        "vae": _small_vae(16),
+        "vae": small_vae(16),
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
     }
 
@@ -143,7 +143,7 @@ def _sd3() -> dict:
             dual_attention_layers=(0, 1),
             qk_norm="rms_norm",
         ),
-        "vae": _small_vae(16),
+        "vae": small_vae(16),
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
     }
 
@@ -220,7 +220,7 @@ def _pixart() -> dict:
             use_additional_conditions=False,
             interpolation_scale=1,
         ),
-        "vae": _small_vae(4),
+        "vae": small_vae(4),
         "scheduler": DPMSolverMultistepScheduler(),
     }
 
@@ -410,18 +410,24 @@ def ensure_fixture(name: str) -> Path:
 
     torch.manual_seed(0)
     components = spec.build()
-    # xfuser's runner loader reads transformers in bf16 (then we cast to DTYPE): bf16-exact
-    # weights make that round trip lossless, so it computes with the weights plain diffusers does.
-    with torch.no_grad():
-        for tensor in components["transformer"].state_dict().values():
-            if tensor.is_floating_point():
-                tensor.copy_(tensor.to(torch.bfloat16))
     pipeline_cls = getattr(diffusers, spec.pipeline)
     optional = {k: None for k in pipeline_cls._optional_components} if hasattr(pipeline_cls, "_optional_components") else {}
     expected = set(pipeline_cls._get_signature_keys(pipeline_cls)[0])
     none_components = {k: None for k in expected if k not in components}
-    pipe = pipeline_cls(**{**optional, **none_components, **components})
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{name}-"))
+    save_bf16_exact(pipeline_cls(**{**optional, **none_components, **components}), path)
+    return path
+
+
+def save_bf16_exact(pipe, path: Path) -> None:
+    """Save ``pipe`` at ``path`` with its transformer's weights rounded to bf16 values, once:
+    concurrent ranks race safely via an atomic rename. xfuser's loaders read transformers in bf16
+    (then cast): bf16-exact weights make that round trip lossless, so every run computes with the
+    weights plain diffusers does."""
+    with torch.no_grad():
+        for tensor in pipe.transformer.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(tensor.to(torch.bfloat16))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
     try:
         pipe.save_pretrained(tmp)
         os.rename(tmp, path)
@@ -430,7 +436,6 @@ def ensure_fixture(name: str) -> Path:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def _absent_components(path: str) -> dict:

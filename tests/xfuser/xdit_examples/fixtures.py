@@ -3,18 +3,17 @@
 The examples load everything from ``--model``: text encoders (``T5EncoderModel``, and CLIP for
 FLUX), tokenizers, the transformer, the VAE and the scheduler, as a hub checkpoint would hold them.
 Each is built here from a small config with seeded random weights; the tokenizers are word-level
-vocabularies built in code (no sentencepiece or BPE files to fetch). Transformer weights are
-rounded to bf16 values so that the examples' fp16/bf16 loads compute with the weights saved.
+vocabularies built in code (no sentencepiece or BPE files to fetch); the VAE and the saving
+(transformer weights rounded to bf16 values) are the tiny models' own.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from cocodiff_xfuser.tools.models import tiny
 
 #: Every word a test prompt uses, plus the specials; others map to ``<unk>``.
 WORDS = "a an the of in on with and cat dog photo painting astronaut riding horse city at night red blue".split()
@@ -53,15 +52,6 @@ def clip():
     return CLIPTextModel(config)
 
 
-def vae(latent_channels: int):
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                         up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(16, 32),
-                         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8, sample_size=64,
-                         scaling_factor=1.0, shift_factor=0.0)
-
-
 def _pixart(pipeline: str):
     import diffusers
     from diffusers import DPMSolverMultistepScheduler, PixArtTransformer2DModel
@@ -69,7 +59,7 @@ def _pixart(pipeline: str):
     transformer = PixArtTransformer2DModel(
         num_attention_heads=8, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
         cross_attention_dim=128, sample_size=32, patch_size=2, caption_channels=TEXT_DIM, interpolation_scale=1)
-    return getattr(diffusers, pipeline)(tokenizer=tokenizer(300), text_encoder=t5(), vae=vae(4), transformer=transformer,
+    return getattr(diffusers, pipeline)(tokenizer=tokenizer(300), text_encoder=t5(), vae=tiny.small_vae(4), transformer=transformer,
                                         scheduler=DPMSolverMultistepScheduler())
 
 
@@ -81,7 +71,7 @@ def _flux_control():
                                          attention_head_dim=16, num_attention_heads=8, joint_attention_dim=TEXT_DIM,
                                          pooled_projection_dim=TEXT_DIM, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
     return FluxControlPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=False),
-                               vae=vae(4), text_encoder=clip(), tokenizer=tokenizer(77), text_encoder_2=t5(),
+                               vae=tiny.small_vae(4), text_encoder=clip(), tokenizer=tokenizer(77), text_encoder_2=t5(),
                                tokenizer_2=tokenizer(512), transformer=transformer)
 
 
@@ -100,20 +90,7 @@ def ensure(example: str, cache: Path) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    pipe = BUILDERS[example]()
-    with torch.no_grad():
-        for tensor in pipe.transformer.state_dict().values():
-            if tensor.is_floating_point():
-                tensor.copy_(tensor.to(torch.bfloat16))
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}-"))
-    try:
-        pipe.save_pretrained(tmp)
-        os.rename(tmp, path)
-    except OSError:
-        if not (path / "model_index.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tiny.save_bf16_exact(BUILDERS[example](), path)
     return path
 
 
