@@ -12,20 +12,20 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
-from typing import Callable, NoReturn, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import commstats, vmajor
+from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import compress, faults, layout, order, sparse, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll
 from cocodiff_xfuser.comm.flat import AllToAllHandle
-from cocodiff_xfuser.comm.registry import A2A_SETTINGS, Registry
+from cocodiff_xfuser.comm.registry import Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
+from cocodiff_xfuser.settings import Options
 
 logger = logging.getLogger("cocodiff_xfuser")
 T = TypeVar("T")
@@ -34,39 +34,19 @@ T = TypeVar("T")
 DECISIONS_ENV = "COCODIFF_A2A_DECISIONS"
 
 
-@dataclass(frozen=True)
-class Options:
-    """What a user chose on the command line (``--cocodiff_*`` flags)."""
-
-    topology: str | None = None  # NxL[xT], a preset name/path, or None/"auto" to detect
-    a2a: str = "auto"  # all-to-all: one of A2A_SETTINGS
-    v_first: bool = False
-    v_major: vmajor.Settings | None = None  # None: off (V-Major implies V-First)
-    timeout_s: float = faults.DEFAULT_TIMEOUT_S  # bound on every exchange and wait (--cocodiff-timeout)
-    compress: str = "none"  # "fp8": every exchange in fp8 with a scale per row (comm/compress.py)
-
-    def __post_init__(self) -> None:
-        if self.a2a not in A2A_SETTINGS:
-            raise ValueError(f"--cocodiff-a2a {self.a2a!r}: expected one of {', '.join(A2A_SETTINGS)}")
-        if self.compress not in compress.SETTINGS:
-            raise ValueError(f"--cocodiff-compress {self.compress!r}: expected one of {', '.join(compress.SETTINGS)}")
-        if self.compress != "none" and self.v_major is not None:
-            raise ValueError("--cocodiff-compress and --cocodiff-v-major both compress the exchanges: choose one")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--cocodiff-timeout {self.timeout_s!r}: expected a positive number of seconds")
-
-
 class _Reshaping:
     """A handle over a flattened exchange that gives the result back in the input's shape
-    (``unpack``: what turns the exchanged bytes back into values, for a compressed exchange)."""
+    (``unpack``: what turns the exchanged bytes back into values, for a compressed exchange;
+    ``peers``: what a sparse exchange learns of the senders' active tokens, filled by its wait)."""
 
     def __init__(
         self, backend: CocodiffBackend, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str,
-        unpack: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        unpack: Callable[[torch.Tensor], torch.Tensor] | None = None, peers: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self._backend, self._handle, self._shape = backend, handle, shape
         self.label, self.algorithm = label, algorithm
         self._unpack = unpack
+        self.peers = peers
         self.done = False
         self._out: torch.Tensor | None = None
 
@@ -92,7 +72,7 @@ class CocodiffBackend:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank()
         self._group_desc = f"group {dist.get_process_group_ranks(group)}"  # for the one-line fault report
-        faults.configure(options.timeout_s)
+        faults.set_timeout(options.timeout_s)
         # Collective over the world: every rank learns every Ulysses group, resolves the same
         # topology and creates the same sub-groups in the same order.
         groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -124,7 +104,7 @@ class CocodiffBackend:
     def _slow_level(self, groups: list[list[int]], user: str) -> sparse.SlowLevel | None:
         """Where the sparse exchanges of ``user`` (V-Major, or fp8-slow) cross nodes (collective:
         builds their sub-groups)."""
-        level = sparse.build_slow_levels(self.topology, groups)[tuple(sorted(dist.get_process_group_ranks(self.group)))]
+        level = sparse.build_slow_levels(self.topology, groups)[transport.group_ranks(self.group)]
         if not level.exists:  # said in one line for the job at activation
             commstats.count_fallback(f"{user.lower()}: no slow level")
             return None
@@ -196,19 +176,19 @@ class CocodiffBackend:
         return packed.view(-1), lambda out: compress.unpack(out.view(self.world_size, -1), rows, d, x.dtype)
 
     def finish(self, step: Callable[[], T], label: str, algorithm: str) -> T:
-        """``step()`` (a handle's ``advance`` or ``wait``); a failed or timed-out exchange ends this
-        rank with one line."""
+        """``step()`` (choosing, starting, advancing or waiting for an exchange); a failed or
+        timed-out exchange ends this rank with one line."""
+        where = f"{algorithm} over {self._group_desc}"
         try:
-            with faults.inside(label, self._where(algorithm)):
+            with faults.inside(label, where):
                 return step()
         except RuntimeError as e:
-            self._abort(label, algorithm, e)
+            faults.abort(self.rank, label, where, self.options.timeout_s, e)
 
-    def _where(self, algorithm: str) -> str:
-        return f"{algorithm} over {self._group_desc}"
-
-    def _abort(self, label: str, algorithm: str, error: RuntimeError) -> NoReturn:
-        faults.abort(self.rank, label, self._where(algorithm), self.options.timeout_s, error)
+    def _pending_handle(self, handle: _Reshaping) -> _Reshaping:
+        """``handle``, remembered until it completes (a measurement completes it first)."""
+        self._pending.append(handle)
+        return handle
 
     def _slow_fp8(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is exchanged as fp8 over the slow level only (``--cocodiff-compress fp8-slow``)."""
@@ -234,14 +214,9 @@ class CocodiffBackend:
             return self._start_slow_fp8(x, label)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = "autotune"
-        try:
-            algorithm = self._algorithm(flat, label, x.numel() * x.element_size())
-            handle = _Reshaping(self, self.exchange.start(algorithm, flat, self.group), x.shape, label, algorithm, unpack)
-        except RuntimeError as e:
-            self._abort(label, algorithm, e)
-        self._pending.append(handle)
-        return handle
+        algorithm = self.finish(lambda: self._algorithm(flat, label, x.numel() * x.element_size()), label, "autotune")
+        started = self.finish(lambda: self.exchange.start(algorithm, flat, self.group), label, algorithm)
+        return self._pending_handle(_Reshaping(self, started, x.shape, label, algorithm, unpack))
 
     @torch.compiler.disable
     def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> _Reshaping:
@@ -261,50 +236,40 @@ class CocodiffBackend:
         probe = tensors[0].new_empty(1, dtype=dtype).expand(numel)
         if self.exchange.measures(probe, self.group):
             probe = tensors[0].new_empty(numel, dtype=dtype)
-        algorithm = "autotune"
-        try:
-            algorithm = self._algorithm(probe, label, exact_bytes)
-            if algorithm == "hierarchical" and self.exchange.parts(probe, self.group) == 1:
-                sends = self.exchange.registry.tapa.input_layout(self.group)
-                data, extra = layout.heads(tensors, self.levels, sends), {"layout": sends}
-            else:
-                data, extra = layout.heads(tensors, (self.world_size,), (0,)), {}
-            packed = self._packed(data)  # chunks in send order, whichever layout
-            data, unpack = packed if packed is not None else (data.view(-1), None)
-            handle = _Reshaping(self, self.exchange.start(algorithm, data, self.group, **extra), shape, label, algorithm, unpack)
-        except RuntimeError as e:
-            self._abort(label, algorithm, e)
-        self._pending.append(handle)
-        return handle
+        algorithm = self.finish(lambda: self._algorithm(probe, label, exact_bytes), label, "autotune")
+        if algorithm == "hierarchical" and self.exchange.parts(probe, self.group) == 1:
+            sends = self.exchange.registry.tapa.input_layout(self.group)
+            data, extra = layout.heads(tensors, self.levels, sends), {"layout": sends}
+        else:
+            data, extra = layout.heads(tensors, (self.world_size,), (0,)), {}
+        packed = self._packed(data)  # chunks in send order, whichever layout
+        data, unpack = packed if packed is not None else (data.view(-1), None)
+        started = self.finish(lambda: self.exchange.start(algorithm, data, self.group, **extra), label, algorithm)
+        return self._pending_handle(_Reshaping(self, started, shape, label, algorithm, unpack))
 
     @torch.compiler.disable
     def start_sparse(
         self, x: torch.Tensor, rows: sparse.Rows, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
-        by_receiver: bool = False, peers: dict[int, torch.Tensor] | None = None,
+        by_receiver: bool = False, learn_peers: bool = False,
         decode: Callable[[torch.Tensor], torch.Tensor] | None = None, kind: str = "v-major",
     ) -> _Reshaping:
         """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
         other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
-        add; ``by_receiver``, ``peers`` and ``decode``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s;
+        add; ``by_receiver``, ``learn_peers`` and ``decode``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s;
         ``kind`` names it in what ran: ``fp8-slow`` sends every row packed).
         Routed like the exact exchange of the same size: two phases where the autotune chose TAPA or
         the PXN-like relay (both cross nodes on the destination's lane), the backend's all-to-all with
         split sizes where it chose ``flat``, else one point-to-point batch."""
-        algorithm = kind
-        try:
-            exact_algorithm = self._choose(x.flatten())
-            two_phase = self.slow_level.regular and exact_algorithm in ("hierarchical", "flat-pxn")
-            collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
-            algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
-            exchange = sparse.SparseHandle(
-                x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective, by_receiver, peers, decode
-            )
-            commstats.count_exchange(algorithm, label, slow_link_bytes=exchange.slow_bytes, slow_link_bytes_exact=exchange.exact_bytes)
-            handle = _Reshaping(self, exchange, into.shape, label, algorithm)
-        except RuntimeError as e:
-            self._abort(label, algorithm, e)
-        self._pending.append(handle)
-        return handle
+        exact_algorithm = self.finish(lambda: self._choose(x.flatten()), label, "autotune")
+        two_phase = self.slow_level.regular and exact_algorithm in ("hierarchical", "flat-pxn")
+        collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
+        algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
+        exchange = self.finish(lambda: sparse.SparseHandle(
+            x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective, by_receiver, learn_peers,
+            decode,
+        ), label, algorithm)
+        commstats.count_exchange(algorithm, label, slow_link_bytes=exchange.slow_bytes, slow_link_bytes_exact=exchange.exact_bytes)
+        return self._pending_handle(_Reshaping(self, exchange, into.shape, label, algorithm, peers=exchange.peers))
 
     @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
@@ -313,14 +278,9 @@ class CocodiffBackend:
             return self._start_slow_fp8(x, label).wait().reshape(x.shape)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = "autotune"
-        try:
-            algorithm = self._algorithm(flat, label, x.numel() * x.element_size())
-            with faults.inside(label, self._where(algorithm)):
-                out = self.exchange.run(algorithm, flat, self.group)
-            return (out if unpack is None else unpack(out)).reshape(x.shape)
-        except RuntimeError as e:
-            self._abort(label, algorithm, e)
+        algorithm = self.finish(lambda: self._algorithm(flat, label, x.numel() * x.element_size()), label, "autotune")
+        out = self.finish(lambda: self.exchange.run(algorithm, flat, self.group), label, algorithm)
+        return (out if unpack is None else unpack(out)).reshape(x.shape)
 
     def describe(self) -> str:
         plan = "x".join(map(str, self.levels)) if self.levels else "flat only"
@@ -336,8 +296,9 @@ class CocodiffBackend:
 def _slow_link_share(topology: topo.Topology, group_ranks: list[int], rank: int) -> float:
     """The share of an equal-split exchange that ``rank`` sends over the topology's outermost
     level (nodes): to the group members on other nodes."""
-    node = topology.coords(rank)[0]
-    return sum(topology.coords(r)[0] != node for r in group_ranks) / len(group_ranks)
+    node, _ = topology.nodes_and_lanes(group_ranks)
+    mine = node[group_ranks.index(rank)]
+    return sum(n != mine for n in node) / len(group_ranks)
 
 
 def _resolve_agreed(spec: str | None) -> topo.Topology:

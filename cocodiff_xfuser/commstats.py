@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from cocodiff_xfuser.platform import detect
+from cocodiff_xfuser.comm import timing
 
 CALIBRATION_CALLS = 3
 _enabled = os.environ.get("COCODIFF_COMM_STATS", "") not in ("", "0")
@@ -203,11 +202,9 @@ def timed_exchange(exchange: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
     """``exchange(x)``, blocking; with statistics on, its bytes and the time it blocked are recorded."""
     if not _enabled:
         return exchange(x)
-    detect().synchronize(x.device)
-    started = time.perf_counter()
+    started = timing.now(x.device)
     out = exchange(x)
-    detect().synchronize(x.device)
-    record_exchange(x.numel() * x.element_size(), time.perf_counter() - started)
+    record_exchange(x.numel() * x.element_size(), timing.now(x.device) - started)
     return out
 
 

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from cocodiff_xfuser import vmajor
+from cocodiff_xfuser.vmajor import clock as vmajor_clock
+from cocodiff_xfuser.vmajor import policy, state
+from cocodiff_xfuser.comm import timing
+from cocodiff_xfuser.settings import DEFAULT_MIN_PSNR_DB, POLICIES, SCOPES, VMajorSettings, error_for
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import digits
@@ -26,13 +29,13 @@ def test_every_row_goes_without_indices_where_that_is_no_more_bytes():
 
 
 def test_shipped_defaults_load_and_flags_override(tmp_path):
-    settings = vmajor.Settings.load()
-    assert settings.policy in vmajor.POLICIES and settings.scope in vmajor.SCOPES
-    assert vmajor.Settings.load(threshold=0.3, scope="v").threshold == 0.3
+    settings = VMajorSettings.load()
+    assert settings.policy in POLICIES and settings.scope in SCOPES
+    assert VMajorSettings.load(threshold=0.3, scope="v").threshold == 0.3
     # A user's file may set some knobs; the rest come from the shipped defaults.
     partial = tmp_path / "mine.yaml"
     partial.write_text("policy: top-k\nfraction: 0.25\n")
-    mine = vmajor.Settings.load(partial)
+    mine = VMajorSettings.load(partial)
     assert (mine.policy, mine.fraction, mine.metric) == ("top-k", 0.25, settings.metric)
     assert "top 25% per step" in mine.describe()
 
@@ -48,20 +51,20 @@ def test_shipped_defaults_load_and_flags_override(tmp_path):
 )
 def test_bad_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        vmajor.Settings.load(**overrides)
+        VMajorSettings.load(**overrides)
 
 
 def test_unknown_or_unreadable_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("thresold: 0.1\n")
     with pytest.raises(ValueError, match="unknown V-Major setting"):
-        vmajor.Settings.load(bad)
+        VMajorSettings.load(bad)
     with pytest.raises(ValueError, match="cannot read it"):
-        vmajor.Settings.load(tmp_path / "missing.yaml")
+        VMajorSettings.load(tmp_path / "missing.yaml")
 
 
 def test_clock_counts_steps_branches_and_calls():
-    clock = vmajor.Clock()
+    clock = vmajor_clock.Clock()
     seen = []
     for t in (1.0, 0.5, 0.5, 0.2, 1.0, 0.6):  # a 3-step call with a second branch at step 1, then a new call
         clock.tick(torch.tensor([t, t]))
@@ -79,10 +82,10 @@ def one_rank_group():
 
 
 def test_auto_trial_alternates_exact_and_sparse_steps():
-    trial = vmajor._Trial(first=2)
+    trial = vmajor_clock.Trial(first=2)
     # Pairs (sparse, exact), (exact, sparse), (sparse, exact) from step 2; outside them, no trial step is exact.
     assert [trial.exact(s) for s in range(10)] == [False, False, False, True, True, False, False, True, False, False]
-    assert vmajor.TRIAL_PAIRS == 3
+    assert vmajor_clock.TRIAL_PAIRS == 3
 
 
 @pytest.mark.parametrize("sparse_s, exact_s, stays_on", [(1.0, 2.0, True), (2.0, 1.5, False)])
@@ -92,9 +95,9 @@ def test_auto_trial_times_whole_steps_and_turns_v_major_off_where_they_are_not_f
     from cocodiff_xfuser import commstats
 
     commstats.reset()
-    clock = vmajor.Clock(trial_from=2)
+    clock = vmajor_clock.Clock(trial_from=2)
     now = [0.0]
-    monkeypatch.setattr(vmajor.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])  # what every timing reads
     for step in range(10):
         clock.tick(torch.tensor([1.0 - step / 10]))
         if clock.trial is not None:
@@ -103,16 +106,16 @@ def test_auto_trial_times_whole_steps_and_turns_v_major_off_where_they_are_not_f
     assert clock.trial is None and clock.off is not stays_on  # decided at step 8, after the third pair
     assert (commstats.ran()["fallbacks"] == {}) is stays_on
     # A new pipeline call keeps the decision; a trial cut short by a new call starts over.
-    short = vmajor.Clock(trial_from=1)
+    short = vmajor_clock.Clock(trial_from=1)
     for t in (1.0, 0.9, 0.8, 1.0):
         short.tick(t)
     assert short.trial is not None and short.trial.times == [] and not short.off
 
 
-def _layer(**overrides) -> vmajor.Layer:
-    clock = vmajor.Clock()
+def _layer(**overrides) -> policy.Layer:
+    clock = vmajor_clock.Clock()
     clock.tick(1.0)
-    return vmajor.Layer(clock, vmajor.Settings.load(warmup_steps=1, **overrides))
+    return policy.Layer(clock, VMajorSettings.load(warmup_steps=1, **overrides))
 
 
 def test_selection_policies():
@@ -129,7 +132,7 @@ def test_selection_policies():
 
 
 def test_schedule_raises_the_cached_share(monkeypatch):
-    monkeypatch.setattr(vmajor, "_total_steps", lambda: 5)
+    monkeypatch.setattr(policy, "_total_steps", lambda: 5)
     layer = _layer(policy="schedule", final_cached=0.8)
     assert [layer._count(s, 10) for s in range(1, 5)] == [8, 6, 4, 2]  # cached 0.2 ... 0.8 after one warm-up step
 
@@ -139,20 +142,20 @@ def test_budget_share_is_the_fewest_tokens_meeting_the_error():
     change = torch.arange(10.0) ** 2
     v = torch.full((1000,), 1.0)
     for error in (0.05, 0.1, 0.2, 0.5):
-        share, ranked = vmajor._share_needed(change, v, error)
+        share, ranked = policy._share_needed(change, v, error)
         share = float(share)
         assert ranked.tolist() == list(range(10))  # smallest change first
         k = round(share * 10)
         left = sorted(change.tolist(), reverse=True)[k:]
         assert sum(left) <= error**2 * 1000  # sending the k largest meets the budget ...
         assert k == 0 or sum(left) + sorted(change.tolist(), reverse=True)[k - 1] > error**2 * 1000  # ... k-1 would not
-    assert float(vmajor._share_needed(torch.zeros(10), v, 0.1)[0]) == 0.0
+    assert float(policy._share_needed(torch.zeros(10), v, 0.1)[0]) == 0.0
 
 
 def test_joined_caches_are_views_of_one_tensor_until_an_entry_is_replaced():
     """V riding with Q/K: their references and results kept as views of one tensor, so a layer
     that rides at every step joins them without copying; an exact step's new entry joins anew."""
-    caches = vmajor._Caches((4, 1, 1, 2, 8, 4))
+    caches = state.Caches((4, 1, 1, 2, 8, 4))
     caches.reference["qk"], caches.reference["v"] = torch.randn(4, 2, 1, 2, 8, 4), torch.randn(4, 1, 1, 2, 8, 4)
     qk, v = caches.reference["qk"].clone(), caches.reference["v"].clone()
     joined = caches.joined("reference", ("qk", "v"))
@@ -170,21 +173,21 @@ def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
     cal.write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0}, {error: 0.2, psnr_db: 30.0}, {error: 0.4, psnr_db: 31.0}]}\n"
                    "  b: {points: [{error: 0.05, psnr_db: 45.0}, {error: 0.1, psnr_db: 41.0}, {error: 0.2, psnr_db: 37.0}]}\n")
     # a: 35 dB halfway (in log error) between 0.1 and 0.2; b meets it at every calibrated error: a decides.
-    assert vmajor.error_for(35.0, cal) == pytest.approx(0.1 * 2**0.5)
+    assert error_for(35.0, cal) == pytest.approx(0.1 * 2**0.5)
     # 42 dB: above a's measurements (its smallest error, logged); b: 3/4 of the way from 0.05 to 0.1.
-    assert vmajor.error_for(42.0, cal) == pytest.approx(0.05 * 2**0.75)
-    assert vmajor.error_for(20.0, cal) == pytest.approx(0.2)  # b's largest calibrated error bounds it
+    assert error_for(42.0, cal) == pytest.approx(0.05 * 2**0.75)
+    assert error_for(20.0, cal) == pytest.approx(0.2)  # b's largest calibrated error bounds it
     # a alone: 30.5 dB is met at 0.4 only if its curve may rise again; it may not.
     (tmp_path / "a.yaml").write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0}, {error: 0.2, psnr_db: 30.0}, {error: 0.4, psnr_db: 31.0}]}\n")
-    assert vmajor.error_for(30.5, tmp_path / "a.yaml") == pytest.approx(0.1 * 2**0.95)
-    assert 0 < vmajor.error_for(vmajor.DEFAULT_MIN_PSNR_DB) < 1  # the shipped calibration
+    assert error_for(30.5, tmp_path / "a.yaml") == pytest.approx(0.1 * 2**0.95)
+    assert 0 < error_for(DEFAULT_MIN_PSNR_DB) < 1  # the shipped calibration
     # Where a point gives its lower confidence bound, that is what must meet the target.
     (tmp_path / "low.yaml").write_text("models:\n  a: {points: [{error: 0.1, psnr_db: 40.0, psnr_low_db: 38.0}, "
                                        "{error: 0.2, psnr_db: 32.0, psnr_low_db: 30.0}]}\n")
-    assert vmajor.error_for(34.0, tmp_path / "low.yaml") == pytest.approx(0.1 * 2**0.5)
+    assert error_for(34.0, tmp_path / "low.yaml") == pytest.approx(0.1 * 2**0.5)
     (tmp_path / "none.yaml").write_text("models: {}\n")
     with pytest.raises(ValueError, match="no calibrated model"):
-        vmajor.error_for(38.0, tmp_path / "none.yaml")
+        error_for(38.0, tmp_path / "none.yaml")
 
 
 @pytest.mark.distributed
@@ -203,7 +206,8 @@ def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     (tmp_path / "variants.json").write_text(json.dumps(variants))
-    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", extra=("--cocodiff_v_major", "on"))
+    # 10 steps: auto's trial (steps 2 to 7) decides at step 8 of the first call.
+    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", steps=10, extra=("--cocodiff_v_major", "on"))
     argv = run.argv(("cocodiff", "budget", "auto", "vfirst"), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
     launcher.torchrun(4, argv, timeout=600)
 

@@ -40,7 +40,6 @@ import dataclasses
 import logging
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -48,9 +47,8 @@ import torch
 import torch.distributed as dist
 
 from .. import commstats
-from ..platform import detect
-from . import order, transport
-from .registry import A2A_SETTINGS, ALGORITHMS, Registry
+from . import timing, transport
+from .registry import ALGORITHMS, Registry
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -120,65 +118,6 @@ def sampling(nbytes: int, reps: int) -> tuple[int, int]:
     return min(MAX_REPS, round(reps * scale) | 1), min(MAX_BURST, max(2, round(2 * scale)))
 
 
-def median_upper_bound(ratios: Sequence[float], confidence: float = 0.95) -> float:
-    """One-sided upper confidence bound of the median of ``ratios`` (distribution-free).
-
-    The k-th smallest of n samples exceeds the true median with probability P(Bin(n, 1/2) <= k-1);
-    this returns the smallest order statistic for which that reaches ``confidence`` (the maximum
-    when n is too small for any other)."""
-    xs = sorted(ratios)
-    n = len(xs)
-    cdf = 0.0
-    for k in range(1, n + 1):
-        cdf += math.comb(n, k - 1) / 2**n
-        if cdf >= confidence:
-            return xs[k - 1]
-    return xs[-1]
-
-
-def time_paired(
-    ops: Mapping[str, Callable[[], Any]],
-    group: Any,
-    device: torch.device,
-    reps: int,
-    burst: int = 1,
-    warmup: int = 1,
-) -> dict[str, list[float]]:
-    """Seconds per call of each op, one sample per op and repetition, max over the ranks of
-    ``group`` (collective).
-
-    Each repetition runs every op once (rotating and alternating the order, so that each op
-    follows each other op and adjacent samples pair up); a sample is barrier -> ``burst`` calls
-    back to back -> device sync, divided by ``burst``. Warm-up repetitions are dropped.
-    """
-    names = list(ops)
-    times = torch.zeros(len(names), reps, dtype=torch.float64)
-    for rep in range(warmup + reps):
-        k = rep % len(names)
-        rotated = names[k:] + names[:k]
-        for name in rotated if rep % 2 else rotated[::-1]:
-            order.launched(group, "barrier")
-            dist.barrier(group=group)
-            detect().synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(burst):
-                ops[name]()
-            detect().synchronize(device)
-            if rep >= warmup:
-                times[names.index(name), rep - warmup] = (time.perf_counter() - t0) / burst
-    # The reduction must run on the device the backend serves (NCCL/XCCL need device tensors).
-    times = times.to(device)
-    order.launched(group, "all_reduce")
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {name: times[i].tolist() for i, name in enumerate(names)}
-
-
-def paired_ratios(times: Mapping[str, Sequence[float]], reference: str = "flat") -> dict[str, list[float]]:
-    """Per candidate other than ``reference``: its time / the reference's, repetition by repetition."""
-    ref = times[reference]
-    return {name: [t / r for t, r in zip(ts, ref)] for name, ts in times.items() if name != reference}
-
-
 class AutoAllToAll:
     """All-to-all that picks an algorithm of ``registry`` per (group, size bucket).
 
@@ -190,8 +129,6 @@ class AutoAllToAll:
     """
 
     def __init__(self, registry: Registry, a2a: str = "auto", reps: int = 9, margin: float = 0.03) -> None:
-        if a2a not in A2A_SETTINGS:
-            raise ValueError(f"all-to-all {a2a!r}: expected one of {', '.join(A2A_SETTINGS)}")
         self.registry = registry
         self.a2a = a2a
         self.reps = reps
@@ -199,7 +136,6 @@ class AutoAllToAll:
         self.decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
         self._uses: dict[tuple[tuple[int, ...], int], int] = {}
         self._warned: set[str] = set()
-        self._group_ranks: dict[Any, tuple[int, ...]] = {}
 
     def choose(self, x: torch.Tensor, group: Any = None) -> str:
         """The algorithm (one of ``ALGORITHMS``) for exchanging ``x`` over ``group``.
@@ -291,9 +227,7 @@ class AutoAllToAll:
             self.decisions[(d.group, d.bucket_bytes)] = d
 
     def _key(self, x: torch.Tensor, group: Any) -> tuple[tuple[int, ...], int]:
-        if group not in self._group_ranks:
-            self._group_ranks[group] = tuple(sorted(dist.get_process_group_ranks(group)))
-        return self._group_ranks[group], size_bucket(x.numel() * x.element_size())
+        return transport.group_ranks(group), size_bucket(x.numel() * x.element_size())
 
     def candidates(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
         """What ``auto`` measures for ``x`` over ``group``: the eligible algorithms, and from
@@ -317,14 +251,14 @@ class AutoAllToAll:
             return lambda: self.registry[name].run(x, group, **options)
 
         pairs, burst = sampling(x.numel() * x.element_size(), reps)
-        return time_paired({key: op(key) for key in keys}, group, x.device, pairs, burst)
+        return timing.paired({key: op(key) for key in keys}, group, x.device, pairs, burst)
 
     def _measure(
         self, x: torch.Tensor, group: Any, ranks: tuple[int, ...], bucket: int, candidates: tuple[str, ...]
     ) -> Decision:
         reference = self.reference(x, group)
         times = self._time(x, group, candidates, self.reps)
-        ratios = {key: [statistics.median(r), median_upper_bound(r)] for key, r in paired_ratios(times, reference).items()}
+        ratios = {key: [statistics.median(r), timing.median_upper_bound(r)] for key, r in timing.paired_ratios(times, reference).items()}
         chosen = pick(ratios, self.margin, reference)
         median = {key: float(statistics.median(t)) for key, t in times.items()}
         hier = min((k for k in median if k.startswith("hierarchical")), key=median.get, default=None)
@@ -340,7 +274,7 @@ class AutoAllToAll:
         """Time the decision against its reference again, mid-run; revert to the reference if it is slower."""
         d = self.decisions[key]
         chosen = candidate_key(d.algorithm, d.parts)
-        ratios = paired_ratios(self._time(x, group, (d.reference, chosen), self.reps), d.reference)[chosen]
+        ratios = timing.paired_ratios(self._time(x, group, (d.reference, chosen), self.reps), d.reference)[chosen]
         ratio = statistics.median(ratios)
         if ratio <= 1.0:
             logger.info(

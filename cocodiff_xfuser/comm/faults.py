@@ -13,13 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
-import threading
 from datetime import timedelta
 from typing import Iterator, NoReturn
-
-import torch.distributed as dist
 
 TIMEOUT_ENV = "COCODIFF_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -45,26 +41,12 @@ def default_timeout_s() -> float:
 _timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
 
 
-def configure(timeout_s: float) -> None:
-    """Bound every wait of this process and every collective of every process group it has.
-
-    xfuser's groups too (its barriers, its per-step gathers of the output): a rank stalled outside
-    an exchange must not leave its peers waiting for gloo's 30 minutes either. A failure there, and
-    the launcher's SIGTERM after another rank failed, end the rank with the same one line.
-    """
+def set_timeout(timeout_s: float) -> None:
+    """Bound every wait of cocodiff's exchanges and every sub-group cocodiff creates from now on.
+    (xfuser's own groups, the excepthook and SIGTERM are process-wide policy, set by
+    :mod:`cocodiff_xfuser.xfuser.fault_policy`.)"""
     global _timeout
     _timeout = timedelta(seconds=timeout_s)
-    # torch has no public setter for existing groups; groups cocodiff creates later get the
-    # timeout at creation (``dist.new_group(timeout=timeout())``).
-    for pg in list(dist.distributed_c10d._world.pg_map):
-        dist.distributed_c10d._set_pg_timeout(_timeout, pg)
-    if not getattr(sys.excepthook, "_cocodiff", False):
-        sys.excepthook = _ending_on_collective_failures(sys.excepthook, timeout_s)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: abort(
-            dist.get_rank(), *(_inside or ("-", "between exchanges")), timeout_s,
-            ExchangeFailed("the launcher ended this rank (SIGTERM), another rank having failed"),
-        ))
 
 
 _inside: tuple[str, str] | None = None  # (label, where) of the exchange this rank waits in
@@ -74,25 +56,16 @@ _inside: tuple[str, str] | None = None  # (label, where) of the exchange this ra
 def inside(label: str, where: str) -> Iterator[None]:
     """Mark the exchange this rank waits in, for the line a SIGTERM prints."""
     global _inside
-    _inside = (label, where)
+    outer, _inside = _inside, (label, where)
     try:
         yield
     finally:
-        _inside = None
+        _inside = outer  # nested: a measurement completes the exchanges still in flight first
 
 
-def _ending_on_collective_failures(previous, timeout_s: float):
-    """An excepthook: a collective of xfuser's own that failed (a peer died or timed out while this
-    rank waited outside cocodiff's exchanges) ends the rank with the same one line."""
-
-    def hook(kind, error, tb):
-        text = str(error).lower()
-        if issubclass(kind, RuntimeError) and any(word in text for word in ("gloo", "nccl", "ccl", "c10d", "processgroup")):
-            abort(dist.get_rank() if dist.is_initialized() else -1, "xfuser", "one of xfuser's own collectives", timeout_s, error)
-        previous(kind, error, tb)
-
-    hook._cocodiff = True  # type: ignore[attr-defined]
-    return hook
+def waiting_in() -> tuple[str, str] | None:
+    """(label, where) of the exchange this rank waits in; None between exchanges."""
+    return _inside
 
 
 def timeout() -> timedelta:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import flat, order, subgroups, transport
+from . import flat, order, residuals, subgroups, transport
 from .topology import Topology
 
 #: Rows for destination ``j`` at ``rows[j]`` (``[P, k_j, d]``): a ``[W, P, k, d]`` tensor, or a
@@ -102,14 +102,11 @@ def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> di
     rank = dist.get_rank()
     levels: dict[tuple[int, ...], SlowLevel] = {}
     for ranks in sorted({tuple(sorted(g)) for g in groups}):
-        node_of = [topology.coords(r)[0] for r in ranks]
-        nodes = sorted(set(node_of))
-        node = [nodes.index(n) for n in node_of]
-        lane = [node[:j].count(node[j]) for j in range(len(ranks))]
+        node, lane = topology.nodes_and_lanes(ranks)
         level = SlowLevel(node, lane, ranks.index(rank) if rank in ranks else -1)
-        if len(nodes) > 1 and level.regular:
+        if level.exists and level.regular:
             level.cross_group = subgroups.member_of([[ranks[j] for j in range(len(ranks)) if lane[j] == l] for l in range(max(lane) + 1)])
-            level.local_group = subgroups.member_of([[ranks[j] for j in range(len(ranks)) if node[j] == n] for n in range(len(nodes))])
+            level.local_group = subgroups.member_of([[ranks[j] for j in range(len(ranks)) if node[j] == n] for n in range(max(node) + 1)])
         if rank in ranks:
             levels[ranks] = level
     return levels
@@ -217,7 +214,7 @@ class SparseHandle:
     ``j`` on another node, as values, or with ``residual`` as the change since the receivers'
     copy, which they add (any dtype: everything travels as bytes). Chosen by the sender (the
     default), the rows are this rank's ``selection.active`` in that order and travel with their
-    indices, which the receiver records in ``peers`` (group rank -> int64 indices) where given;
+    indices, which the receiver learns (``learn_peers``: :attr:`peers`, group rank -> int64 indices);
     with ``by_receiver``, ``rows[j]`` are the rows at rank ``j``'s active tokens and are placed at
     this rank's ``selection.active``. ``decode`` turns received rows (``[P, k, *]`` in their
     dtype) into values (``[P, k, d]``) before they are placed (packed fp8 rows, for example).
@@ -235,7 +232,7 @@ class SparseHandle:
         residual: bool = False,
         collective: bool = False,
         by_receiver: bool = False,
-        peers: dict[int, torch.Tensor] | None = None,
+        learn_peers: bool = False,
         decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         w, p, s, d = x.shape
@@ -251,7 +248,8 @@ class SparseHandle:
         self._tokens = s
         self._counts = selection.counts
         self._decode = decode
-        self._peers = peers
+        #: After :meth:`wait`, with ``learn_peers``: the active tokens of every rank on another node.
+        self.peers: dict[int, torch.Tensor] | None = {} if learn_peers else None
         self._phase2 = None
         self._two_phase = two_phase
         self._placed = False  # wait() places the received rows once
@@ -399,16 +397,13 @@ class SparseHandle:
             active = self._in_order().view(1, k)
         else:
             active = _view(pieces[:, :index], torch.int32).long()
-        if self._peers is not None:  # one row of indices per source, or one that all share
+        if self.peers is not None:  # one row of indices per source, or one that all share
             for i, j in enumerate(sources):
-                self._peers[j] = active[i if active.shape[0] > 1 else 0]
+                self.peers[j] = active[i if active.shape[0] > 1 else 0]
         rows = _view(pieces[:, index:], self._rows_dtype).view(n, p, k, self._width)
         # Row (j, plane, token) of ``into`` as one index: (j * P + plane) * s + token.
         at = (_plane_rows(tuple(sources), p, s, into.device) + active.view(-1, 1, k)).view(-1)
-        if self._residual:
-            into.view(-1, d).index_add_(0, at, rows.reshape(-1, d).to(into.dtype))
-        else:
-            into.view(-1, d).index_copy_(0, at, rows.reshape(-1, d))
+        residuals.apply(into.view(-1, d), rows.reshape(-1, d), at, 0, self._residual)
 
     def _place(self, into: torch.Tensor, j: int, piece: torch.Tensor) -> None:
         if self._level.fast(j):
@@ -425,19 +420,12 @@ class SparseHandle:
         else:
             index = k * _INDEX_BYTES
             active = _view(piece[:index], torch.int32).long()
-        if self._peers is not None:
-            self._peers[j] = self._in_order() if every else active
+        if self.peers is not None:
+            self.peers[j] = self._in_order() if every else active
         rows = _view(piece[index:], self._rows_dtype).view(into.shape[1], k, self._width)
         if self._decode is not None:
             rows = self._decode(rows)
-        if every and self._residual:
-            into[j].add_(rows.to(into.dtype))
-        elif every:
-            into[j].copy_(rows)
-        elif self._residual:
-            into[j].index_add_(1, active, rows.to(into.dtype))
-        else:
-            into[j].index_copy_(1, active, rows)
+        residuals.apply(into[j], rows, None if every else active, 1, self._residual)
 
     def _in_order(self) -> torch.Tensor:
         """Every row's index, in order (what a sender that sends every row sent)."""

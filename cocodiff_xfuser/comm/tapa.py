@@ -352,7 +352,6 @@ class HierarchicalAllToAll:
         self.topology = topology
         self._pool = _BufferPool()
         self._plans: dict[tuple[int, ...], GroupPlan] = {}
-        self._plan_by_pg: dict[Any, GroupPlan | None] = {}
         # Sorted, de-duplicated: every rank creates the same sub-groups in the same order.
         for ranks in sorted({tuple(sorted(g)) for g in groups}):
             try:
@@ -427,7 +426,4 @@ class HierarchicalAllToAll:
     def plan(self, group: Any = None) -> GroupPlan | None:
         """The plan of ``group`` (default: world): its levels and their sub-groups; None when it uses
         the flat exchange. The PXN-like reference (:mod:`.pxn`) relays over the same sub-groups."""
-        group = group if group is not None else dist.group.WORLD
-        if group not in self._plan_by_pg:
-            self._plan_by_pg[group] = self._plans.get(tuple(sorted(dist.get_process_group_ranks(group))))
-        return self._plan_by_pg[group]
+        return self._plans.get(transport.group_ranks(group if group is not None else dist.group.WORLD))

@@ -172,6 +172,14 @@ class Topology:
     def restrict(self, group_ranks: Sequence[int]) -> list[int]:
         return restrict(self, group_ranks)
 
+    def nodes_and_lanes(self, group_ranks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Per member of a group (in the given order): its node's position among the group's nodes,
+        and its position among the group's members on that node (its lane: its rail)."""
+        node_of = [self.coords(r)[0] for r in group_ranks]
+        nodes = sorted(set(node_of))
+        node = [nodes.index(n) for n in node_of]
+        return node, [node[:j].count(node[j]) for j in range(len(node))]
+
 
 def restrict(topology: Topology, group_ranks: Sequence[int]) -> list[int]:
     """Level sizes, outermost first, of the sub-grid formed by a group's global ranks.

@@ -70,13 +70,15 @@ _SENDS_FIRST = ("xccl", "ccl")
 _device_semantics = os.environ.get(DEVICE_SEMANTICS_ENV, "") not in ("", "0")
 _backend_cache: dict[tuple[Any, str], str] = {}
 _group_cache: dict[Any, tuple[int, int]] = {}
+_ranks_cache: dict[Any, tuple[int, ...]] = {}
 
 
 def forget_groups() -> None:
-    """Drop what is cached per process group (its backend, this rank's place in it): the groups are
-    being destroyed, and a later group may reuse an identity."""
+    """Drop everything cached per process group (its backend, this rank's place in it, its
+    members): the groups are being destroyed, and a later group may reuse an identity."""
     _backend_cache.clear()
     _group_cache.clear()
+    _ranks_cache.clear()
 
 
 #: When a list: every posted batch as ``("what (role)", [(op, peer, bytes), ...])``, in posting order.
@@ -105,6 +107,13 @@ def group_info(group: Any) -> tuple[int, int]:
     if group not in _group_cache:
         _group_cache[group] = (dist.get_rank(group), dist.get_world_size(group))
     return _group_cache[group]
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group``, sorted (what plans and decisions are keyed by), cached."""
+    if group not in _ranks_cache:
+        _ranks_cache[group] = tuple(sorted(dist.get_process_group_ranks(group)))
+    return _ranks_cache[group]
 
 
 def fair_flat(group: Any = None, device: torch.device | str = "cpu") -> str:

@@ -12,8 +12,11 @@ import sys
 
 import torch
 
-from cocodiff_xfuser import backend, vmajor
+from cocodiff_xfuser import backend
+from cocodiff_xfuser.vmajor import clock as vmajor_clock
+from cocodiff_xfuser.vmajor import policy
 from cocodiff_xfuser.processors import flux, flux2, hunyuan_video, pixart, qwen_image, sd3, wan
+from cocodiff_xfuser.settings import VMajorSettings
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -76,7 +79,7 @@ def _unused_processors(transformer: torch.nn.Module) -> set[int]:
     return {id(m.module) for m in transformer.modules() if isinstance(m, xFuserLayerBaseWrapper)}
 
 
-def install(transformer: torch.nn.Module, v_major: vmajor.Settings | None = None) -> int:
+def install(transformer: torch.nn.Module, v_major: VMajorSettings | None = None) -> int:
     """Swap processors in ``transformer``; returns how many V-First processors it now has.
 
     Each V-First processor keeps the stock processor it replaces (with its settings) and
@@ -112,14 +115,14 @@ def install(transformer: torch.nn.Module, v_major: vmajor.Settings | None = None
     return installed
 
 
-def _attach_v_major(transformer: torch.nn.Module, settings: vmajor.Settings) -> None:
+def _attach_v_major(transformer: torch.nn.Module, settings: VMajorSettings) -> None:
     clock = transformer.__dict__.get("_cocodiff_clock")
     if clock is None:
         active = backend.active()
-        clock = transformer._cocodiff_clock = vmajor.attach_clock(transformer, None if active is None else active.group, settings)
+        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, None if active is None else active.group, settings)
     ours = tuple(replacements().values())
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
         if isinstance(processor, ours) and processor.v_major is None:
-            processor.v_major = vmajor.Layer(clock, settings)
+            processor.v_major = policy.Layer(clock, settings)
     logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())

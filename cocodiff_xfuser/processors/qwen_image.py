@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from cocodiff_xfuser import compat
 from cocodiff_xfuser.processors import ulysses
-from cocodiff_xfuser.xfuser import compat
 
 
 class QwenImageVFirstProcessor(ulysses.VFirst):

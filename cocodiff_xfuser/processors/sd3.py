@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from cocodiff_xfuser import compat
 from cocodiff_xfuser.processors import ulysses
-from cocodiff_xfuser.xfuser import compat
 
 
 def image_only_joint_attention(attn, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ class SD3VFirstProcessor(ulysses.VFirst):
         return attn.to_out[1](attn.to_out[0](out)), encoder_out
 
 
-def _image_only_v_first(attn, hidden_states: torch.Tensor, layer: ulysses.vmajor.Layer | None) -> torch.Tensor:
+def _image_only_v_first(attn, hidden_states: torch.Tensor, layer: ulysses.policy.Layer | None) -> torch.Tensor:
     """:func:`image_only_joint_attention` (SD3.5's ``attn2``), V-First."""
     batch = hidden_states.shape[0]
     head_dim = attn.to_k.out_features // attn.heads

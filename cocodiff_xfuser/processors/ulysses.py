@@ -7,7 +7,7 @@ V-First processor instead starts V's exchange as soon as V is projected
 ring merge and output exchange as ``USP``. The exchanges move the same bytes to the same
 places, so the output is bitwise that of stock Ulysses. Under V-Major, at a sparse step whose Q and
 K follow V's selection, V's few changed rows ride in Q/K's exchange instead: one input exchange
-per layer, not two (:attr:`cocodiff_xfuser.vmajor.Step.v_rides`). Head and token counts that the Ulysses
+per layer, not two (:attr:`cocodiff_xfuser.vmajor.policy.Step.v_rides`). Head and token counts that the Ulysses
 degree does not divide, which stock refuses (or, for FLUX text, attends once per rank), are padded
 here (:mod:`cocodiff_xfuser.padding`): attention stays exact, the bits are no longer stock's.
 """
@@ -20,13 +20,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import backend, commstats, padding, vmajor
-from cocodiff_xfuser.comm import layout as comm_layout
+from cocodiff_xfuser import backend, commstats, compat, padding
+from cocodiff_xfuser.comm import layout as comm_layout, timing
 from cocodiff_xfuser.comm.agreement import any_rank
-from cocodiff_xfuser.comm.sparse import Selection, agree_counts
 from cocodiff_xfuser.errors import user_error
-from cocodiff_xfuser.platform import detect
-from cocodiff_xfuser.xfuser import compat
+from cocodiff_xfuser.vmajor import policy
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
@@ -35,7 +33,7 @@ _warned: set[str] = set()
 class VFirst:
     """Base of the V-First processors: ``v_major`` is the layer's V-Major state, when it is on."""
 
-    v_major: vmajor.Layer | None = None
+    v_major: policy.Layer | None = None
 
 
 class PendingExchange:
@@ -45,15 +43,15 @@ class PendingExchange:
     exchange may be sparse over slow links and lands in the layer's cache of its previous result.
     At a sparse step whose Q and K follow V's selection, V's exchange waits to ride with Q/K's
     (``carrying``): its rows then travel in Q/K's messages, and the layer posts one input exchange,
-    not two (:attr:`vmajor.Step.v_rides`).
+    not two (:attr:`cocodiff_xfuser.vmajor.policy.Step.v_rides`).
     """
 
     def __init__(
         self,
         tensors: tuple[torch.Tensor, ...],
         label: str,
-        layer: vmajor.Layer | None = None,
-        v_major: vmajor.Step | None = None,
+        layer: policy.Layer | None = None,
+        v_major: policy.Step | None = None,
         carrying: PendingExchange | None = None,
     ) -> None:
         active = backend.active()
@@ -103,7 +101,7 @@ class PendingExchange:
         self._calibration = commstats.calibrating(label, self._nbytes)
         self._exchanged = self._result() if self._calibration else None
 
-    def _rides_with(self, shape: tuple[int, ...], step: vmajor.Step) -> bool:
+    def _rides_with(self, shape: tuple[int, ...], step: policy.Step) -> bool:
         """Whether this waiting V can travel in the exchange of destination-major Q/K of ``shape``:
         V's shape but for the number of tensors, and ``step`` covers Q/K of that shape."""
         return self._riding is not None and self._riding[0].shape[2:] == shape[2:] and step.covers("qk", self._riding[0])
@@ -132,8 +130,8 @@ class PendingExchange:
         self.start_alone()  # a V that nothing carried
         exchanged = self._result() if self._exchanged is None else self._exchanged
         if commstats.enabled() and not self._carried:  # a carried V's bytes and time are Q/K's
-            detect().synchronize(exchanged.device)
-            commstats.record_async(self._label, self._nbytes, self._started, waited, time.perf_counter(), self._calibration)
+            finished = timing.now(exchanged.device)
+            commstats.record_async(self._label, self._nbytes, self._started, waited, finished, self._calibration)
         return comm_layout.sequence(exchanged.reshape(self._stacked_shape), self._n)
 
 
@@ -144,13 +142,13 @@ class _Covered:
     the layer's cache of its previous result, which its result becomes."""
 
     @classmethod
-    def start(cls, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: vmajor.Step | None) -> _Covered | None:
+    def start(cls, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step | None) -> _Covered | None:
         """The exchange started, or None where ``step`` does not cover it (the caller's exact exchange)."""
         if step is None or not all(step.covers(name, stacked) for name in names):
             return None
         return cls(names, stacked, label, step)
 
-    def __init__(self, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: vmajor.Step) -> None:
+    def __init__(self, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step) -> None:
         active = backend.active()
         self._step = step
         self._names = names
@@ -163,8 +161,6 @@ class _Covered:
             self.handle = active.start(stacked, label)
             return
         world, n, b, heads, s, d = stacked.shape
-        if step.selection is None:  # set by V's exchange; Q/K's and the output's reuse it
-            step.selection = Selection.fixed(step.active, world) if step.fixed else agree_counts(step.active, active.group)
         rows, residual = step.rows(names, stacked)
         commstats.count_v_major_time(time.perf_counter() - bookkeeping)
         commstats.count_v_major_sparse("+".join(names))
@@ -176,7 +172,7 @@ class _Covered:
         received = step.caches.received[names[0]] if len(names) == 1 else step.caches.joined("received", names)
         self.handle = active.start_sparse(
             stacked.view(world, planes, s, d), rows, step.selection, received.reshape(world, planes, s, d), label, residual,
-            by_receiver=names == ("o",), peers=step.peers if "v" in names else None,
+            by_receiver=names == ("o",), learn_peers="v" in names,
         )
 
     def wait(self, name: str) -> torch.Tensor:
@@ -184,6 +180,8 @@ class _Covered:
         if self._results is None:
             exchanged = self.handle.wait().view(self._shape)
             caches = self._step.caches
+            if "v" in self._names and self.handle.peers is not None:  # what V's sparse exchange learned
+                caches.peers = self.handle.peers
             if len(self._names) == 1:
                 caches.received[self._names[0]] = exchanged
             else:
@@ -195,8 +193,8 @@ class _Covered:
 def start_input_exchange(
     *tensors: torch.Tensor,
     label: str = "qk",
-    layer: vmajor.Layer | None = None,
-    v_major: vmajor.Step | None = None,
+    layer: policy.Layer | None = None,
+    v_major: policy.Step | None = None,
     carrying: PendingExchange | None = None,
 ) -> PendingExchange:
     """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors, asynchronously.
@@ -264,7 +262,7 @@ def attention(
     return output_exchange(out, v_major)[:, :heads]
 
 
-def output_exchange(out: torch.Tensor, v_major: vmajor.Step | None = None) -> torch.Tensor:
+def output_exchange(out: torch.Tensor, v_major: policy.Step | None = None) -> torch.Tensor:
     """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``.
 
     The layout changes of xfuser's ``_ft_c_output_all_to_all``; the exchange goes to the backend

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from cocodiff_xfuser import compat
 from cocodiff_xfuser.processors import ulysses
-from cocodiff_xfuser.xfuser import compat
 
 
 def _rope(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:

@@ -7,15 +7,15 @@ import importlib
 import logging
 import sys
 
-from cocodiff_xfuser import vmajor
+from cocodiff_xfuser.settings import MODES
 from cocodiff_xfuser.tools import demo, quality, verify
 from cocodiff_xfuser.tools import check as check_tool
 from cocodiff_xfuser.tools import topology_cli
-from cocodiff_xfuser.tools.launcher import TorchrunError
+from cocodiff_xfuser.tools import plan as plan_tool
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
-from cocodiff_xfuser.tools import plan as plan_tool
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
+from cocodiff_xfuser.tools.launcher import TorchrunError
 from cocodiff_xfuser.tools.models import digits
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     quality_cmd.add_argument("--seed", type=int, default=0, help="the first seed")
     quality_cmd.add_argument("--steps", type=int, default=None, help="default: the model's")
     quality_cmd.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")
-    quality_cmd.add_argument("--v-major", choices=vmajor.MODES, default="off",
+    quality_cmd.add_argument("--v-major", choices=MODES, default="off",
                              help="cocodiff with V-Major (--cocodiff-v-major; auto takes --cocodiff-v-major-min-psnr DB)")
     quality_cmd.add_argument("--sweep", choices=sorted(quality.SWEEPS), default=None,
                              help="measure every V-Major setting of the sweep against stock (JSON and a plot in --out; "

@@ -140,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None, on_call: Callable[[], None] | None = None):
     """``repeat`` runs after the first, with communication statistics of those runs only."""
-    import torch
     import torch.distributed as dist
 
     from cocodiff_xfuser import commstats
@@ -155,13 +154,12 @@ def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None, on
             on_call()
     _handshake(sync_dir, "done")
     comm = commstats.report()
-    # The slowest rank sets the pace: report its blocked time (on the device NCCL/XCCL reduce on).
+    # The slowest rank sets the pace: report its blocked time.
+    from cocodiff_xfuser.comm.timing import slowest
     from cocodiff_xfuser.platform import detect
 
     device = detect().device(int(os.environ.get("LOCAL_RANK", "0")))
-    blocked = torch.tensor([comm["blocked_s"]], dtype=torch.float64, device=device)
-    dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
-    comm["blocked_s_max_over_ranks"] = float(blocked)
+    comm["blocked_s_max_over_ranks"] = slowest([comm["blocked_s"]], dist.group.WORLD, device)[0]
     comm["runs"] = repeat
     return output, timings, comm
 

@@ -674,9 +674,9 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
 
 def v_major_defaults() -> dict:
     """The shipped budget sweep's point at V-Major's default error (:data:`V_MAJOR_SWEEP`)."""
-    from cocodiff_xfuser import vmajor
+    from cocodiff_xfuser.settings import VMajorSettings
 
-    error = vmajor.Settings.load().error
+    error = VMajorSettings.load().error
     points = json.loads((RESULTS_DIR / V_MAJOR_SWEEP).read_text())["points"]
     found = [p for p in points if p["settings"]["policy"] == "budget" and math.isclose(p["settings"]["error"], error)]
     if not found:

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from cocodiff_xfuser import vmajor
+from cocodiff_xfuser.settings import CALIBRATION
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import digits
@@ -334,7 +334,7 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
     (out / f"sweep-{sweep}-{run.model}.json").write_text(json.dumps(summary, indent=1))
     _plot_sweep(summary, out / f"sweep-{sweep}-{run.model}.png")
     if sweep == "v-major-budget":
-        write_calibration(summary, out / vmajor.CALIBRATION.name)
+        write_calibration(summary, out / CALIBRATION.name)
     return summary
 
 

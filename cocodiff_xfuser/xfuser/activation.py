@@ -7,11 +7,11 @@ import importlib.metadata
 import logging
 import types
 
-from cocodiff_xfuser import backend, commstats, padding
-from cocodiff_xfuser.comm import faults, subgroups
+from cocodiff_xfuser import backend, commstats, compat, padding
+from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.errors import user_error
-from cocodiff_xfuser.xfuser import compat, flags, padded
+from cocodiff_xfuser.xfuser import fault_policy, flags, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -37,17 +37,9 @@ def _activating_backend(original):
         elif name == "cocodiff":
             from xfuser.core.distributed import get_sp_group
 
-            timeout = getattr(config, "cocodiff_timeout", None)
             try:
-                v_major = flags.v_major_settings(config)
-                options = backend.Options(
-                    topology=getattr(config, "cocodiff_topology", None),
-                    a2a=getattr(config, "cocodiff_a2a", None) or "auto",
-                    v_first=bool(getattr(config, "cocodiff_v_first", False)) or v_major is not None,
-                    v_major=v_major,
-                    timeout_s=float(timeout) if timeout is not None else faults.default_timeout_s(),
-                    compress=getattr(config, "cocodiff_compress", None) or "none",
-                )
+                options = flags.options(config)
+                fault_policy.install(options.timeout_s)
                 backend.activate(get_sp_group().ulysses_group, options)
             except (ValueError, Disagreement) as e:
                 user_error(str(e))

@@ -15,8 +15,8 @@ import types
 
 import torch
 
+from cocodiff_xfuser import compat
 from cocodiff_xfuser.platform import adopt_mpi_environment, detect
-from cocodiff_xfuser.xfuser import compat
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -216,10 +216,10 @@ def patch_attention_backends(ab: types.ModuleType) -> None:
     if detect().name != "cpu":
         return
 
+    flash = compat.torch_private("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu")
+
     def cpu_flash_attention(query, key, value, dropout_p=0.0, is_causal=False, attention_kwargs=None):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p=dropout_p, is_causal=is_causal
-        )
+        out, lse, *_ = flash(query, key, value, dropout_p=dropout_p, is_causal=is_causal)
         return out, lse
 
     compat.target(ab, "ATTENTION_FUNCTION_REGISTRY")[compat.target(ab.AttentionBackendType, "SDPA_FLASH")] = cpu_flash_attention

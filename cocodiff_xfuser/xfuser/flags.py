@@ -7,10 +7,9 @@ import os
 import sys
 import types
 
-from cocodiff_xfuser import vmajor
-from cocodiff_xfuser.comm import compress, faults
-from cocodiff_xfuser.comm.registry import A2A_SETTINGS
-from cocodiff_xfuser.xfuser import compat
+from cocodiff_xfuser import compat, settings
+from cocodiff_xfuser.comm import faults
+from cocodiff_xfuser.settings import Options, VMajorSettings
 
 BACKEND_ENV = "XFUSER_SP_BACKEND"
 SP_BACKENDS = ("ulysses", "cocodiff")
@@ -43,50 +42,17 @@ def _add_backend_args(parser) -> None:
         default=default,
         help=f"Sequence-parallel backend: stock 'ulysses' or 'cocodiff' (default from ${BACKEND_ENV}, else ulysses).",
     )
-    group.add_argument(
-        "--cocodiff_topology",
-        "--cocodiff-topology",
-        default=None,
-        help="cocodiff: hardware levels as NxL[xT] (nodes x ranks per node [x tiles]), a preset (aurora, "
-        "dgx-h100, dgx-h200, pcie-8gpu) or preset file, or 'auto' (detected from hostnames and LOCAL_WORLD_SIZE; the default).",
-    )
-    group.add_argument(
-        "--cocodiff_a2a",
-        "--cocodiff-a2a",
-        choices=A2A_SETTINGS,
-        default="auto",
-        help="cocodiff: all-to-all algorithm; 'auto' measures the eligible ones per message size against the backend's fair flat exchange.",
-    )
-    group.add_argument(
-        "--cocodiff_v_first",
-        "--cocodiff-v-first",
-        action="store_true",
-        help="cocodiff: V-First attention processors (V's exchange overlaps Q/K projection, norm and RoPE).",
-    )
-    group.add_argument(
-        "--cocodiff_timeout",
-        "--cocodiff-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help=f"cocodiff: bound on every exchange; a stalled or dead peer ends the job with one line "
-        f"(default ${faults.TIMEOUT_ENV}, else {faults.DEFAULT_TIMEOUT_S:g}).",
-    )
-
-
-    group.add_argument(
-        "--cocodiff_compress",
-        "--cocodiff-compress",
-        choices=compress.SETTINGS,
-        default="none",
-        help="cocodiff: fp8: every Ulysses exchange in fp8 with one scale per token and head (lossy, on every link); "
-        "fp8-slow: the same on links to other nodes only, node-mates get exact values (compared with V-Major in "
-        "docs/benchmarks.md).",
-    )
+    for name, f in settings.flags(Options):
+        meta = f.metadata
+        # A setting read from the environment is None when not given (:func:`options` reads it).
+        kind = {"action": "store_true"} if f.type == "bool" else {
+            "type": _TYPES[f.type], "default": None if meta["env"] else f.default, "choices": meta["choices"],
+            "metavar": meta["metavar"]}
+        group.add_argument(f"--cocodiff_{name}", f"--cocodiff-{name.replace('_', '-')}", help=f"cocodiff: {meta['help']}.", **kind)
     group.add_argument(
         "--cocodiff_v_major",
         "--cocodiff-v-major",
-        choices=vmajor.MODES,
+        choices=settings.MODES,
         default="off",
         help="cocodiff: V-Major: over slow links send only the tokens whose V changed (lossy; implies V-First); "
         "auto: the fewest tokens per layer that meet --cocodiff-v-major-min-psnr.",
@@ -98,49 +64,46 @@ def _add_backend_args(parser) -> None:
         default=None,
         metavar="DB",
         help=f"cocodiff: with --cocodiff-v-major auto, the PSNR (dB, against the exact run) to keep "
-        f"(default {vmajor.DEFAULT_MIN_PSNR_DB:g}; calibrated on the trained models, {vmajor.CALIBRATION.name}).",
+        f"(default {settings.DEFAULT_MIN_PSNR_DB:g}; calibrated on the trained models, {settings.CALIBRATION.name}).",
     )
     group.add_argument(
         "--cocodiff_v_major_config",
         "--cocodiff-v-major-config",
         default=None,
         metavar="YAML",
-        help=f"cocodiff: V-Major settings file (default {vmajor.DEFAULTS.name}, shipped); the flags below override it.",
+        help=f"cocodiff: V-Major settings file (default {settings.DEFAULTS.name}, shipped); the flags below override it.",
     )
-    for name, kind, help_text in V_MAJOR_KNOBS:
+    for knob in settings.knobs():
         group.add_argument(
-            f"--cocodiff_v_major_{name}",
-            f"--cocodiff-v-major-{name.replace('_', '-')}",
-            type=kind,
+            f"--cocodiff_v_major_{knob.name}",
+            f"--cocodiff-v-major-{knob.name.replace('_', '-')}",
+            type=_TYPES[knob.type],
             default=None,
-            help=f"cocodiff: V-Major {help_text} (default: the settings file).",
+            help=f"cocodiff: V-Major {knob.metadata['help']} (default: the settings file).",
         )
 
 
-#: The V-Major knobs with a flag each (``vmajor.Settings`` fields).
-V_MAJOR_KNOBS = (
-    ("policy", str, f"token selection: {', '.join(vmajor.POLICIES)}"),
-    ("metric", str, f"change of a token: {', '.join(vmajor.METRICS)}"),
-    ("threshold", float, "change above which a token is sent (policy threshold)"),
-    ("error", float, "relative L2 error of V kept per layer (policy budget)"),
-    ("fraction", float, "share of tokens sent per step (policy top-k)"),
-    ("final_cached", float, "cached share reached at the last step (policy schedule)"),
-    ("warmup_steps", int, "first steps exchanged in full"),
-    ("refresh_every", int, "full exchange every this many steps (0: never)"),
-    ("scope", str, f"exchanges the mask gates: {', '.join(vmajor.SCOPES)}"),
-    ("residual_dtype", str, f"active rows over slow links: {', '.join(vmajor.RESIDUAL_DTYPES)} (none: values)"),
-    ("budget_mib", float, "bound on the caches in MiB; layers beyond it use the exact exchange"),
-    ("if_slower", str, f"auto, where its steps are not faster than exact steps: {', '.join(vmajor.IF_SLOWER)}"),
-)
+_TYPES = {"str": str, "str | None": str, "float": float, "int": int}
 
 BACKEND_KEYS = (
-    "sp_backend", "cocodiff_topology", "cocodiff_a2a", "cocodiff_v_first", "cocodiff_timeout", "cocodiff_compress",
+    "sp_backend", *(f"cocodiff_{name}" for name, _ in settings.flags(Options)),
     "cocodiff_v_major", "cocodiff_v_major_config", "cocodiff_v_major_min_psnr",
-    *(f"cocodiff_v_major_{name}" for name, _, _ in V_MAJOR_KNOBS),
+    *(f"cocodiff_v_major_{knob.name}" for knob in settings.knobs()),
 )
 
 
-def v_major_settings(runtime_config) -> vmajor.Settings | None:
+def options(runtime_config) -> Options:
+    """The backend's options the flags ask for (a flag not given, on the runner's path: the
+    setting's default; the timeout's comes from the environment); ValueError for bad ones."""
+    given = {f.name: getattr(runtime_config, f"cocodiff_{name}", None) for name, f in settings.flags(Options)}
+    given = {key: value for key, value in given.items() if value is not None}
+    given.setdefault("timeout_s", faults.default_timeout_s())
+    v_major = v_major_settings(runtime_config)
+    # V-Major implies V-First.
+    return Options(**{**given, "v_first": bool(given.get("v_first")) or v_major is not None}, v_major=v_major)
+
+
+def v_major_settings(runtime_config) -> VMajorSettings | None:
     """The V-Major settings the flags ask for (None: off); ValueError for bad ones."""
     mode = getattr(runtime_config, "cocodiff_v_major", None) or "off"
     min_psnr = getattr(runtime_config, "cocodiff_v_major_min_psnr", None)
@@ -148,16 +111,16 @@ def v_major_settings(runtime_config) -> vmajor.Settings | None:
         raise ValueError("--cocodiff-v-major-min-psnr needs --cocodiff-v-major auto")
     if mode == "off":
         return None
-    overrides = {name: getattr(runtime_config, f"cocodiff_v_major_{name}", None) for name, _, _ in V_MAJOR_KNOBS}
+    overrides = {knob.name: getattr(runtime_config, f"cocodiff_v_major_{knob.name}", None) for knob in settings.knobs()}
     if mode == "auto":
         chosen = [f"--cocodiff-v-major-{name}" for name in ("policy", "error") if overrides[name] is not None]
         if chosen:
             raise ValueError(f"--cocodiff-v-major auto sets {' and '.join(chosen)} itself, from --cocodiff-v-major-min-psnr: "
                              f"leave {'them' if len(chosen) > 1 else 'it'} out")
-        min_psnr = vmajor.DEFAULT_MIN_PSNR_DB if min_psnr is None else min_psnr
-        overrides.update(policy="budget", error=vmajor.error_for(min_psnr))
-    return vmajor.Settings.load(getattr(runtime_config, "cocodiff_v_major_config", None), min_psnr_db=min_psnr, strict=True,
-                                **overrides)
+        min_psnr = settings.DEFAULT_MIN_PSNR_DB if min_psnr is None else min_psnr
+        overrides.update(policy="budget", error=settings.error_for(min_psnr))
+    return VMajorSettings.load(getattr(runtime_config, "cocodiff_v_major_config", None), min_psnr_db=min_psnr, strict=True,
+                               **overrides)
 
 
 def patch_args(args_module: types.ModuleType) -> None:

@@ -22,7 +22,8 @@ import functools
 import types
 from typing import Callable
 
-from cocodiff_xfuser.xfuser import activation, compat, devices, flags, padded, workarounds
+from cocodiff_xfuser import compat
+from cocodiff_xfuser.xfuser import activation, devices, flags, padded, workarounds
 
 Hook = Callable[[types.ModuleType], None]
 

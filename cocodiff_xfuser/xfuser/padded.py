@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import types
 
-from cocodiff_xfuser import backend, padding
-from cocodiff_xfuser.xfuser import compat
+from cocodiff_xfuser import backend, compat, padding
 
 logger = logging.getLogger("cocodiff_xfuser")
 _logged: set[padding.Streams] = set()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib.metadata
 import types
 
-from cocodiff_xfuser import backend
+from cocodiff_xfuser import backend, compat
 from cocodiff_xfuser.platform import detect
-from cocodiff_xfuser.xfuser import compat, flags
+from cocodiff_xfuser.xfuser import flags
 
 
 def _on() -> bool:

@@ -10,7 +10,6 @@ from cocodiff_xfuser.comm.autotune import (
     MAX_BURST,
     MAX_REPS,
     candidate_key,
-    median_upper_bound,
     pick,
     sampling,
     size_bucket,
@@ -54,14 +53,6 @@ def test_pick_against_the_fair_flat_reference():
     assert pick({"flat": [0.9, 0.95], "hierarchical": [1.2, 1.3]}, 0.03, "flat-p2p") == "flat"
     assert pick({"flat": [0.6, 0.7], "hierarchical": [0.59, 0.65]}, 0.03, "flat-p2p") == "flat"  # simpler on a tie
     assert pick({}, 0.03, "flat-p2p") == "flat-p2p"
-
-
-def test_median_upper_bound_is_a_distribution_free_order_statistic():
-    # n=7: only the maximum bounds the median at 95% (P(Bin(7, 1/2) <= 5) = 0.9375).
-    assert median_upper_bound([0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.2]) == 1.2
-    # n=9: the 8th smallest (P(Bin(9, 1/2) <= 7) = 0.98).
-    assert median_upper_bound([float(i) for i in range(9)]) == 7.0
-    assert median_upper_bound([2.0]) == 2.0
 
 
 def test_sampling_grows_for_small_messages():

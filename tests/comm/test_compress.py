@@ -4,8 +4,8 @@ each row packed with its scale (``fp8-slow``, over the slow level only)."""
 import pytest
 import torch
 
-from cocodiff_xfuser import backend, vmajor
 from cocodiff_xfuser.comm import compress
+from cocodiff_xfuser.settings import Options, VMajorSettings
 
 
 def test_pack_keeps_equal_chunks_and_bounds_the_error_per_row():
@@ -38,9 +38,9 @@ def test_pack_rows_keeps_each_row_with_its_scale():
 
 def test_compression_and_v_major_exclude_each_other():
     with pytest.raises(ValueError, match="choose one"):
-        backend.Options(compress="fp8", v_major=vmajor.Settings.load())
+        Options(compress="fp8", v_major=VMajorSettings.load())
     with pytest.raises(ValueError, match="--cocodiff-compress 'int4'"):
-        backend.Options(compress="int4")
+        Options(compress="int4")
 
 
 @pytest.mark.distributed

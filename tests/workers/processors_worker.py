@@ -73,9 +73,10 @@ def use_backend(v_first: bool) -> None:
     from xfuser.core.distributed import get_sp_group
 
     from cocodiff_xfuser import backend
+    from cocodiff_xfuser.settings import Options
 
     if v_first:
-        backend.activate(get_sp_group().ulysses_group, backend.Options(v_first=True, a2a="flat-p2p"))
+        backend.activate(get_sp_group().ulysses_group, Options(v_first=True, a2a="flat-p2p"))
     else:
         backend.deactivate()
 

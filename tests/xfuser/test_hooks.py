@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from cocodiff_xfuser.xfuser import hooks
-from cocodiff_xfuser import _finder
-from cocodiff_xfuser.xfuser import compat, flags
+from cocodiff_xfuser import _finder, compat
+from cocodiff_xfuser.settings import Options, error_for
+from cocodiff_xfuser.xfuser import flags, hooks
 
 
 def _parser():
@@ -213,10 +213,8 @@ def test_stock_usp_processors_that_cannot_carry_padded_heads_are_found():
 
 
 def test_backend_options_reject_unknown_algorithms():
-    from cocodiff_xfuser import backend
-
     with pytest.raises(ValueError, match="--cocodiff-a2a"):
-        backend.Options(a2a="ring")
+        Options(a2a="ring")
 
 
 @pytest.mark.distributed
@@ -307,7 +305,7 @@ def test_v_major_auto_takes_its_budget_from_the_calibration():
     config = types.SimpleNamespace(cocodiff_v_major="auto", cocodiff_v_major_min_psnr=40.0)
     settings = flags.v_major_settings(config)
     assert settings.policy == "budget" and settings.min_psnr_db == 40.0
-    assert settings.error == pytest.approx(flags.vmajor.error_for(40.0))
+    assert settings.error == pytest.approx(error_for(40.0))
     on = flags.v_major_settings(types.SimpleNamespace(cocodiff_v_major="on"))
     assert on.min_psnr_db is None  # only auto checks its speed against the exact exchange
     with pytest.raises(ValueError, match="sets --cocodiff-v-major-policy itself"):

@@ -18,8 +18,8 @@ import types
 import pytest
 import torch
 
-from cocodiff_xfuser import platform
-from cocodiff_xfuser.xfuser import compat, devices
+from cocodiff_xfuser import compat, platform
+from cocodiff_xfuser.xfuser import devices
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the platform patches apply on hosts without CUDA")
 

@@ -62,6 +62,7 @@ from cocodiff_xfuser.comm import layout
 from cocodiff_xfuser.comm.autotune import AutoAllToAll, candidate_key, size_bucket, split_key
 from cocodiff_xfuser.comm.registry import Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
+from cocodiff_xfuser.comm.timing import elapsed, slowest
 from cocodiff_xfuser.comm.topology import Topology, resolve
 from cocodiff_xfuser.tools import same_bits
 from cocodiff_xfuser.tools.bench import one_at_a_time, parse_shapes, plots
@@ -97,8 +98,9 @@ def _same_host(group: Any) -> bool:
 
 
 class _Timer:
-    """Times ``burst`` back-to-back calls of one op per call (seconds per op); ``finish`` reduces
-    every recorded time with MAX over the group."""
+    """Times ``burst`` back-to-back calls of one op per call (seconds per op), after a barrier
+    (``method`` "barrier") or from a scheduled start; ``finish`` gives every recorded time as
+    the slowest rank's (:mod:`cocodiff_xfuser.comm.timing`)."""
 
     def __init__(self, method: str, group: Any, device: torch.device, burst: int = 1) -> None:
         self.method, self.group, self.device, self.burst = method, group, device, burst
@@ -108,39 +110,34 @@ class _Timer:
 
     def __call__(self, fn: Callable[[], Any], record: bool) -> None:
         dist.barrier(group=self.group)  # drain: every rank has completed the previous op
-        platform.detect().synchronize(self.device)
-        if self.method == "barrier":
-            start = time.perf_counter()
-            for _ in range(self.burst):
-                fn()
-            platform.detect().synchronize(self.device)
-            dt = time.perf_counter() - start
-        else:
-            t = torch.tensor([time.monotonic() + START_LEAD_S], dtype=torch.float64, device=self.device)
-            dist.broadcast(t, group=self.group, group_src=0)
-            start = t.item()
-            wait = start - time.monotonic()
-            if wait < 0:
-                self.late_starts += record
-                self.max_late_s = max(self.max_late_s, -wait) if record else self.max_late_s
-            elif wait > 0.003:
-                time.sleep(wait - 0.002)
-            while time.monotonic() < start:
-                pass
-            for _ in range(self.burst):
-                fn()
-            platform.detect().synchronize(self.device)
-            dt = time.monotonic() - start
+        seconds = elapsed(fn, self.device, self.burst) if self.method == "barrier" else self._scheduled(fn, record)
         if record:
-            self.local.append(dt / self.burst)
+            self.local.append(seconds)
+
+    def _scheduled(self, fn: Callable[[], Any], record: bool) -> float:
+        """Seconds per call of ``fn``, every rank starting at one wall-clock time rank 0 sets
+        ``START_LEAD_S`` ahead (a barrier releases ranks at skewed times)."""
+        platform.detect().synchronize(self.device)
+        t = torch.tensor([time.monotonic() + START_LEAD_S], dtype=torch.float64, device=self.device)
+        dist.broadcast(t, group=self.group, group_src=0)
+        start = t.item()
+        wait = start - time.monotonic()
+        if wait < 0:
+            self.late_starts += record
+            self.max_late_s = max(self.max_late_s, -wait) if record else self.max_late_s
+        elif wait > 0.003:
+            time.sleep(wait - 0.002)
+        while time.monotonic() < start:
+            pass
+        for _ in range(self.burst):
+            fn()
+        platform.detect().synchronize(self.device)
+        return (time.monotonic() - start) / self.burst
 
     def finish(self) -> tuple[list[float], int, float]:
-        times = torch.tensor(self.local, dtype=torch.float64, device=self.device)
-        extra = torch.tensor([float(self.late_starts), self.max_late_s], dtype=torch.float64, device=self.device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
-        dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=self.group)
+        *times, late_starts, max_late_s = slowest([*self.local, self.late_starts, self.max_late_s], self.group, self.device)
         self.local = []
-        return times.cpu().tolist(), int(extra[0].item()), float(extra[1].item())
+        return times, int(late_starts), max_late_s
 
 
 #: Heads per rank and head dim of the Ulysses-shaped exchange (Q and K of ``[1, W*2, s, 64]``).

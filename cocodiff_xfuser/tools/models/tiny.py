@@ -273,7 +273,7 @@ def _pixart_call(spec: TinySpec, args: dict) -> dict:
 
 
 def _wan_wrapper_kwargs(config) -> dict:
-    from cocodiff_xfuser.xfuser import compat
+    from cocodiff_xfuser import compat
 
     build = compat.private("xfuser.model_executor.models.runner_models.wan", "_build_attention_kwargs")
     return {"attention_kwargs": build(config)}

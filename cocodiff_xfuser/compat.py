@@ -1,9 +1,12 @@
-"""The one way cocodiff reaches into xfuser: the tested version, checked patch targets, private names.
+"""The one way cocodiff reaches into xfuser and into torch's private names: the tested versions,
+checked patch targets, private names.
 
-Every patch goes through :func:`target` / :func:`wrap`, which fail with one clear
+Every patch of xfuser goes through :func:`target` / :func:`wrap`, which fail with one clear
 :class:`IncompatibleXfuser` line when a target is missing, and every private (underscore) name
 that cocodiff reads at run time is listed in :data:`PRIVATE_NAMES` and read with
-:func:`private`; :func:`missing` checks the whole list against the installed xfuser.
+:func:`private`; torch's private names likewise in :data:`TORCH_PRIVATE_NAMES`, read with
+:func:`torch_private` (:class:`IncompatibleTorch`). :func:`missing` checks both lists against
+what is installed. A leaf: it imports nothing of cocodiff, so every layer may use it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import importlib.metadata
 from typing import Any, Callable
 
 TESTED_XFUSER_VERSION = "0.7.0"
+TESTED_TORCH_VERSION = "2.13.0"
 
 _USP = "xfuser.model_executor.layers.usp"
 _TRANSFORMERS = "xfuser.model_executor.models.transformers"
@@ -33,8 +37,25 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: Private torch names read by cocodiff at run time, as (module or attribute path, name).
+TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
+    # Functional collectives: the async all-to-all xfuser itself uses, and its result type.
+    ("torch.distributed._functional_collectives", "all_to_all_single"),
+    ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
+    # No public setter bounds groups that already exist (xfuser's) with a new timeout.
+    ("torch.distributed.distributed_c10d", "_world"),
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
+    # The CPU flash kernel that returns the log-sum-exp ring attention merges with (tests on CPU).
+    ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
+)
+
+
 class IncompatibleXfuser(RuntimeError):
     """The installed xfuser is not the one these patches were written against."""
+
+
+class IncompatibleTorch(RuntimeError):
+    """The installed torch lacks a private name cocodiff reads."""
 
 
 def xfuser_version() -> str | None:
@@ -96,12 +117,41 @@ def fused_qk_kernel_reason(family: str) -> str | None:
     return None
 
 
+def _module(path: str) -> Any:
+    """The module or attribute ``path`` names (``torch.ops.aten`` is an attribute, not a module)."""
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError:
+        owner, _, name = path.rpartition(".")
+        if not owner:
+            raise
+        return getattr(_module(owner), name)
+
+
+def torch_private(module: str, name: str) -> Any:
+    """The private torch name ``module.name`` (one of :data:`TORCH_PRIVATE_NAMES`), checked."""
+    if (module, name) not in TORCH_PRIVATE_NAMES:
+        raise ValueError(f"{module}.{name} is not in compat.TORCH_PRIVATE_NAMES; add it there")
+    try:
+        return getattr(_module(module), name)
+    except (AttributeError, ImportError):
+        version = importlib.metadata.version("torch")
+        raise IncompatibleTorch(
+            f"cocodiff-xfuser: {module}.{name} not found in torch {version} (tested with {TESTED_TORCH_VERSION})"
+        ) from None
+
+
 def missing() -> list[str]:
-    """The private names this xfuser lacks (empty for the tested version)."""
+    """The private names this xfuser and this torch lack (empty for the tested versions)."""
     found = []
     for module, name in PRIVATE_NAMES:
         try:
             private(module, name)
         except (IncompatibleXfuser, ImportError) as e:
+            found.append(f"{module}.{name}: {e}")
+    for module, name in TORCH_PRIVATE_NAMES:
+        try:
+            torch_private(module, name)
+        except IncompatibleTorch as e:
             found.append(f"{module}.{name}: {e}")
     return found

@@ -1,0 +1,191 @@
+"""V-Major's clock: the denoising step of a transformer, the counts its layers agree once per step
+(policy budget), and auto's speed check on whole steps."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm import order, timing
+from cocodiff_xfuser.settings import VMajorSettings
+from cocodiff_xfuser.vmajor.state import Budget
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+
+#: Pairs of steps, one with V-Major's exchanges and one exact, that auto times (:class:`Trial`).
+TRIAL_PAIRS = 3
+
+
+class Trial:
+    """Auto's speed check: whether V-Major makes this job's steps faster, measured on whole steps.
+
+    From step ``first`` (the end of the warm-up) of a pipeline call, ``TRIAL_PAIRS`` pairs of steps
+    run one with V-Major and one as V-First alone (exact exchanges, no selection, no caches touched:
+    the next step's residuals are still against what the receivers hold), in alternating order
+    (sparse first, then exact first...) so that a drift hits both alike, like the autotune's paired
+    timings. A step's time runs from its first transformer call to the next step's, the device
+    synchronized at both ends, and counts everything V-Major adds or saves: selection, residuals,
+    caches and all of a layer's exchanges. Each step's time is the MAX over the group (one
+    all-reduce, so every rank takes the same decision); V-Major stays on if the median of the pairs'
+    ratios (sparse / exact) is below 1. A pipeline call too short for the trial leaves it to the
+    next one.
+    """
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.times: list[float] = []  # the trial's steps so far, in step order
+        self._started: float | None = None
+
+    def exact(self, step: int) -> bool:
+        """Whether ``step`` is one of the trial's exact steps."""
+        i = step - self.first
+        if not 0 <= i < 2 * TRIAL_PAIRS:
+            return False
+        pair, second = divmod(i, 2)
+        return (second == 1) == (pair % 2 == 0)
+
+    def restart(self) -> None:
+        self.times, self._started = [], None
+
+    def at_step(self, step: int, device: torch.device, group: Any) -> bool | None:
+        """At the start of ``step`` (every rank, the same steps): time the step that ended, and once
+        all of the trial's have, decide: whether V-Major's steps are faster (None: not decided)."""
+        if not self.first <= step <= self.first + 2 * TRIAL_PAIRS:
+            return None
+        stamp = timing.now(device)
+        if self._started is not None:
+            self.times.append(stamp - self._started)
+        self._started = stamp
+        if step < self.first + 2 * TRIAL_PAIRS:
+            return None
+        by_kind: dict[str, list[float]] = {"sparse": [], "exact": []}  # pair by pair
+        for i, seconds in enumerate(timing.slowest(self.times, group, device)):
+            by_kind["exact" if self.exact(self.first + i) else "sparse"].append(seconds)
+        ratio = statistics.median(timing.paired_ratios(by_kind, "exact")["sparse"])
+        if ratio < 1.0:
+            logger.info("cocodiff: V-Major's steps took %.2fx exact steps' time; V-Major stays on", ratio)
+            return True
+        logger.warning("cocodiff: V-Major off: its steps took %.2fx exact steps' time (the links are not the bottleneck)", ratio)
+        commstats.count_fallback("v-major: steps not faster than exact steps")
+        return False
+
+
+class Clock:
+    """The denoising step of one transformer, read from the timesteps it is called with.
+
+    A timestep lower than the last one is the next step; the same one, another call of the same
+    step (true CFG's second branch); a higher one (or the first), a new pipeline call.
+    """
+
+    def __init__(self, group: Any = None, trial_from: int | None = None) -> None:
+        self.call = 0
+        self.step = 0
+        self.branch = 0
+        self.layers = 0  # V-Major layers attached to this clock
+        self.budget = Budget()  # their caches
+        self.group = group  # the Ulysses group the layers' counts are agreed over (policy budget)
+        # Auto's speed check from step ``trial_from`` (None: none), until it decides; ``off``: it
+        # found V-Major's steps not faster, and every exchange is exact for the rest of the job.
+        self.trial = None if trial_from is None else Trial(trial_from)
+        self.off = False
+        # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
+        # yet measured, the exchange is exact), and what the layers measured during this step.
+        self.shares: list[float] | None = None
+        self.needed: list[tuple[int, torch.Tensor]] = []
+        self._agreeing: tuple[Any, torch.Tensor] | None = None  # an all-reduce in flight, and its tensor
+        self._last: float | None = None
+
+    def tick(self, timestep: Any) -> None:
+        t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
+        if self._last is None or t > self._last:
+            self.call, self.step, self.branch = self.call + 1, 0, 0
+            self._take_shares()  # the last call's: completed, then dropped
+            self.shares, self.needed = None, []
+            if self.trial is not None:
+                self.trial.restart()
+        elif t == self._last:
+            self.branch += 1
+        else:
+            self.step, self.branch = self.step + 1, 0
+            self._agree_shares()
+        self._last = t
+        if self.trial is not None and self.branch == 0:
+            device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
+            faster = self.trial.at_step(self.step, device, self.agreement_group())
+            if faster is not None:
+                self.trial, self.off = None, not faster
+
+    def agreement_group(self) -> Any:
+        """The group the clock's agreements run over: the Ulysses group, or WORLD where none was given
+        (looked up when used: a clock can be built before the process group)."""
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def exact_step(self) -> bool:
+        """Whether this step runs without V-Major (one of auto's timed exact steps)."""
+        return self.trial is not None and self.trial.exact(self.step)
+
+    def need(self, layer: int, share: torch.Tensor) -> None:
+        """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget
+        (the largest of a step's calls counts; gathered once per step, in :meth:`_agree_shares`)."""
+        self.needed.append((layer, share))
+
+    def shares_now(self) -> list[float] | None:
+        """The agreed shares for this step; the first time there are any, waits for their agreement."""
+        if self.shares is None:
+            self._take_shares()
+        return self.shares
+
+    def _agree_shares(self) -> None:
+        """Agree the shares the layers measured during the step that ended (MAX over the group),
+        without waiting: one all-reduce per step, launched here and read at the next step's tick
+        (a step's counts come from the measurements of two steps before, the first sparse step's
+        from the step before), so no step waits for the others' measurements and, on a GPU, the
+        host reads a result its queue has long passed. Whether it runs depends on the steps and
+        the layers that ran, the same on every rank."""
+        self._take_shares()
+        if not self.needed:
+            return
+        layers, shares = zip(*self.needed)
+        device = shares[0].device
+        needed = torch.zeros(self.layers, dtype=torch.float32, device=device).index_reduce_(
+            0, torch.tensor(layers, device=device), torch.stack(shares).float(), "amax")
+        group = self.agreement_group()
+        order.launched(group, "all_reduce")
+        work = dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self._agreeing, self.needed = (work, needed), []
+
+    def settle(self) -> None:
+        """Complete the agreement in flight (after a transformer call: it has had the whole call to
+        finish, and nothing is left in flight when the job ends)."""
+        if self._agreeing is not None:
+            self._agreeing[0].wait()
+
+    def _take_shares(self) -> None:
+        if self._agreeing is not None:
+            work, needed = self._agreeing
+            work.wait()
+            self.shares, self._agreeing = needed.tolist(), None
+
+
+def attach_clock(transformer: torch.nn.Module, group: Any = None, settings: VMajorSettings | None = None) -> Clock:
+    """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument) and
+    settled after it; ``group``: the Ulysses group of its V-Major layers; ``settings``: theirs (auto,
+    unless ``if_slower: keep``, times its steps against exact ones)."""
+
+    def before(module, args, kwargs) -> None:
+        timestep = kwargs.get("timestep")
+        if timestep is None:
+            raise ValueError(f"cocodiff: V-Major needs {type(module).__name__} to be called with timestep=...")
+        clock.tick(timestep)
+
+    trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
+    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None)
+    transformer.register_forward_pre_hook(before, with_kwargs=True)
+    transformer.register_forward_hook(lambda module, args, output: clock.settle())
+    return clock

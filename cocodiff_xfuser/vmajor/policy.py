@@ -1,0 +1,234 @@
+"""V-Major's policy: per layer call, the decision (exact, or sparse with this rank's active tokens)
+and the rows each exchange the decision covers sends over slow links."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm import residuals, sparse
+from cocodiff_xfuser.settings import SCOPES, VMajorSettings
+from cocodiff_xfuser.vmajor.clock import Clock
+from cocodiff_xfuser.vmajor.state import Caches, cache_bytes
+
+logger = logging.getLogger("cocodiff_xfuser")
+
+
+class Layer:
+    """The V-Major state of one attention layer (owned by its V-First processor)."""
+
+    def __init__(self, clock: Clock, settings: VMajorSettings) -> None:
+        self.clock, self.settings = clock, settings
+        self.index = clock.layers
+        clock.layers += 1
+        self._call = -1
+        self._caches: dict[int, Caches] = {}
+
+    def stopped(self) -> bool:
+        """Whether this call runs without V-Major, as V-First alone: auto turned it off for the job
+        (the layer's caches are then dropped), or this is one of its timed exact steps (the caches
+        are kept: the senders' references still match what the receivers hold)."""
+        if self.clock.off and self._caches:
+            self._drop_caches()
+        return self.clock.off or self.clock.exact_step()
+
+    def _drop_caches(self) -> None:
+        self._caches = {}
+        self.clock.budget.release(id(self))
+
+    def begin(self, v: torch.Tensor) -> Step:
+        """Decide this call's exchanges from V (destination-major ``[W, 1, b, h/W, s, d]``)."""
+        clock, settings = self.clock, self.settings
+        if clock.call != self._call:  # a new pipeline call: nothing carries over
+            self._call = clock.call
+            self._drop_caches()
+            if self.index == 0:
+                need = cache_bytes(v, settings)
+                logger.info(
+                    "cocodiff: V-Major caches need %.1f MiB per layer, %.1f MiB for %d layers (budget %g MiB)",
+                    need / 2**20, need * clock.layers / 2**20, clock.layers, settings.budget_mib,
+                )
+        caches = self._caches.get(clock.branch)
+        if caches is None or caches.shape != tuple(v.shape):
+            if not clock.budget.admit((id(self), clock.branch), cache_bytes(v, settings), settings.budget_mib):
+                if not clock.budget.warned:
+                    clock.budget.warned = True
+                    logger.warning(
+                        "cocodiff: V-Major cache budget (%g MiB, --cocodiff-v-major-budget-mib) reached at layer %d "
+                        "of %d; layers beyond it use the exact exchange", settings.budget_mib, self.index, clock.layers,
+                    )
+                commstats.count_fallback("v-major: cache budget")
+                return Step(self, None, None)
+            caches = self._caches[clock.branch] = Caches(tuple(v.shape))
+        step, s = clock.step, v.shape[4]
+        reference = caches.reference.get("v")
+        ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
+        if settings.policy == "budget" and reference is not None:
+            share, ranked = _share_needed(_squared_change(v, reference), v, settings.error)
+            clock.need(self.index, share)
+        k = None if reference is None else self._count(step, s)
+        if (
+            step < settings.warmup_steps
+            or (settings.policy == "budget" and clock.shares_now() is None)  # nothing measured yet
+        ):
+            k = s
+        residual = settings.residual
+        if k is not None and residual is not None and sparse.whole_is_smaller(k, s, _row_bytes(v, residual)):
+            k = s  # every token, without indices, is no more bytes
+        exact = (
+            reference is None
+            or (settings.refresh_every and step % settings.refresh_every == 0)
+            or (k is not None and k >= s and residual is None)  # every token as values: the exact exchange is smaller
+        )
+        if exact:
+            commstats.count_v_major(step, self.index, s, s)
+            return Step(self, caches, None)
+        if k is not None and k >= s:  # every token, as residuals: in order, so no index travels
+            active = torch.arange(s, device=v.device)
+        else:
+            active = ranked[s - k:] if ranked is not None else self._select(v, reference, k)
+        commstats.count_v_major(step, self.index, active.numel(), s)
+        # Every rank's count: fixed by the policy and the step, or (threshold) agreed here, at V's
+        # exchange, the same program point on every rank; Q/K's and the output's reuse it.
+        world = v.shape[0]
+        fixed = settings.policy != "threshold"
+        selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, clock.agreement_group())
+        return Step(self, caches, active, selection)
+
+    def _count(self, step: int, s: int) -> int | None:
+        """How many of its ``s`` tokens this rank sends at ``step``, where the policy fixes it (the
+        same on every rank); None for ``threshold``, whose count the data decides."""
+        settings = self.settings
+        if settings.policy == "top-k":
+            return math.ceil(settings.fraction * s)
+        if settings.policy == "schedule":
+            ramp = max(_total_steps() - settings.warmup_steps, 1)
+            cached = settings.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
+            return math.ceil((1.0 - cached) * s)
+        shares = self.clock.shares_now() if settings.policy == "budget" else None
+        if shares is not None:
+            return min(math.ceil(shares[self.index] * s), s)
+        return None
+
+    def _select(self, v: torch.Tensor, reference: torch.Tensor, k: int | None) -> torch.Tensor:
+        """The active tokens: indices into this rank's tokens (``k`` of them where the policy fixes
+        the count, on the device without a host synchronization)."""
+        settings = self.settings
+        dims = (0, 1, 3, 5)  # all but batch and token
+        diff = (v - reference).float()
+        if settings.metric == "l1":
+            change = diff.abs().mean(dim=dims)
+        else:
+            norm = torch.linalg.vector_norm(reference.float(), dim=dims)
+            change = torch.linalg.vector_norm(diff, dim=dims) / norm.clamp_min(torch.finfo(torch.float32).tiny)
+        change = change.amax(0)  # [s]: the largest change over the batch
+        if k is None:
+            return (change > settings.threshold).nonzero().flatten()
+        return change.topk(k).indices
+
+
+def _squared_change(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per token, ``||v - reference||^2`` over everything else (batch included): ``[s]``."""
+    return (v - reference).float().square().sum(dim=(0, 1, 2, 3, 5))
+
+
+def _share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest share of tokens whose sending (largest ``change`` first) leaves the relative L2
+    error of V as the receivers hold it within ``error`` (a device scalar), and the tokens ranked
+    by ``change``, smallest first (the share's tokens are the last ones): the tokens left out are
+    the longest prefix whose changes sum within the budget."""
+    ordered, ranked = change.sort()
+    flat = v.float().flatten()
+    left_out = (ordered.cumsum(0) <= flat.dot(flat) * error**2).sum()
+    return 1.0 - left_out / change.numel(), ranked
+
+
+def _row_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
+    """One token's row of V (``[W, 1, b, h/W, s, d]``) for one destination, in ``dtype``."""
+    return v.shape[2] * v.shape[3] * v.shape[5] * dtype.itemsize
+
+
+def _total_steps() -> int:
+    from xfuser.core.distributed import get_runtime_state
+
+    return int(get_runtime_state().input_config.num_inference_steps)
+
+
+#: The scopes under which each exchange of a layer follows V's decision.
+_FOLLOWS = {"v": SCOPES, "qk": ("qkv", "qkvo"), "o": ("qkvo",)}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One layer call's V-Major decision, made once and never changed: exact (``active`` None), or
+    sparse with this rank's active tokens and every rank's count (``selection``).
+
+    ``caches`` None: the layer is outside the budget, nothing is kept. What the exchanges learn
+    (the other nodes' active tokens, from V's) goes to the layer's caches, not here.
+    """
+
+    layer: Layer
+    caches: Caches | None
+    active: torch.Tensor | None
+    selection: sparse.Selection | None = None
+
+    @property
+    def v_rides(self) -> bool:
+        """Whether V's exchange waits to ride with Q/K's (a sparse step whose Q and K follow V's
+        selection). V-First hides V's exchange behind the Q/K projections; at a sparse step that
+        exchange is V's few changed rows, and posting them in Q/K's messages saves the layer a
+        whole exchange: its latency on every link and its host work."""
+        return self.active is not None and self.caches is not None and self.layer.settings.scope in _FOLLOWS["qk"]
+
+    def covers(self, name: str, x: torch.Tensor) -> bool:
+        """Whether the exchange ``name`` ('v', 'qk' or 'o') of ``x`` (destination-major
+        ``[W, n, b, h/W, s, d]``) follows this decision."""
+        if self.caches is None or self.layer.settings.scope not in _FOLLOWS[name]:
+            return False
+        return x.shape[4] == self.caches.shape[4] and x.shape[2] == self.caches.shape[2]
+
+    def rows(self, names: tuple[str, ...], x: torch.Tensor) -> tuple[Any, bool]:
+        """What the exchange of ``names`` (one, or 'qk' and 'v' riding together at a sparse step)
+        in ``x`` (``[W, n, b, h/W, s, d]``, theirs along dim 1) sends over slow links this step, and
+        whether it is a residual; updates the references to what the receivers will hold.
+
+        A full step sends everything: the reference becomes ``x``. A sparse one sends the active
+        tokens, as values, or as their change since the reference rounded to the residual dtype
+        (the rounding error stays in the reference's distance to V, so it is sent later: error
+        feedback). The input exchanges send this rank's active tokens to everyone (a tensor,
+        ``[W, n, b, h/W, k, d]``); the output exchange ('o') sends each rank on another node its
+        own active tokens (a dict, group rank -> ``[n, b, h/W, k_j, d]``).
+        """
+        caches, residual = self.caches, self.layer.settings.residual
+        name = names[0]
+        if self.active is None:
+            if name == "v" or residual is not None:
+                caches.reference[name] = x
+            return x, False
+        if len(names) > 1 and residual is not None:
+            return residuals.encode(x, caches.joined("reference", names), self.selection.active, 4, residual), True
+        if len(names) > 1:  # values: only V's reference is kept
+            first, sent = 0, []
+            for name in names:
+                reference = caches.reference.get(name)
+                n = caches.received[name].shape[1]
+                sent.append(residuals.encode(x[:, first:first + n], reference, self.selection.active, 4, None))
+                first += n
+            return torch.cat(sent, dim=1), False
+        reference = caches.reference.get(name)
+        s = x.shape[4]
+        peers = caches.peers
+        if name == "o" and peers and all(active.numel() == s for active in peers.values()):
+            whole = residuals.encode(x, reference, next(iter(peers.values())), 4, residual)  # one pass for every peer
+            sent = {j: whole[j] for j in peers}
+        elif name == "o":
+            sent = {j: residuals.encode(x[j], None if reference is None else reference[j], active, 3, residual)
+                    for j, active in peers.items()}
+        else:
+            sent = residuals.encode(x, reference, self.selection.active, 4, residual)
+        return sent, residual is not None

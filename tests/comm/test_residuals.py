@@ -1,0 +1,39 @@
+"""Step residuals: the receiver's copy is the sender's reference, and error feedback keeps it close."""
+
+import torch
+
+from cocodiff_xfuser.comm.residuals import apply, encode
+
+
+def test_the_receiver_holds_the_reference_and_rounding_errors_are_sent_later():
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, 16)
+    reference, held = x.clone(), x.clone()  # a full step: both hold the values
+    every = torch.arange(8)
+    for _ in range(6):  # adjacent steps: small changes, sent as fp8 residuals
+        x = x + 0.05 * torch.randn_like(x)
+        payload = encode(x, reference, every, 1, torch.float8_e4m3fn)
+        assert payload.dtype == torch.float8_e4m3fn
+        apply(held, payload, None, 1, is_residual=True)
+        assert torch.equal(held, reference)
+    # What fp8 rounds away at one step is sent at the next: the copy does not drift.
+    assert (held - x).abs().max() < 0.01
+
+
+def test_selected_rows_travel_alone_as_values_or_residuals():
+    x, reference = torch.randn(2, 6, 4), torch.zeros(2, 6, 4)
+    held = reference.clone()
+    rows = torch.tensor([1, 4])
+    payload = encode(x, reference, rows, 1, torch.bfloat16)
+    assert payload.shape == (2, 2, 4)
+    apply(held, payload, rows, 1, is_residual=True)
+    assert torch.equal(held, reference) and torch.equal(held[:, [0, 2, 3, 5]], torch.zeros(2, 4, 4))
+    values = encode(x, reference, rows, 1, None)  # values: the reference takes them
+    apply(held, values, rows, 1, is_residual=False)
+    assert torch.equal(held[:, rows], x[:, rows]) and torch.equal(reference, held)
+
+
+def test_out_of_range_changes_are_clamped_not_nan():
+    x, reference = torch.full((1, 2, 2), 1e6), torch.zeros(1, 2, 2)
+    payload = encode(x, reference, torch.arange(2), 1, torch.float8_e4m3fn)
+    assert not payload.float().isnan().any() and payload.float().max() == torch.finfo(torch.float8_e4m3fn).max
