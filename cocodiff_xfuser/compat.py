@@ -128,8 +128,10 @@ def _module(path: str) -> Any:
         return getattr(_module(owner), name)
 
 
+@functools.cache
 def torch_private(module: str, name: str) -> Any:
-    """The private torch name ``module.name`` (one of :data:`TORCH_PRIVATE_NAMES`), checked."""
+    """The private torch name ``module.name`` (one of :data:`TORCH_PRIVATE_NAMES`), checked (once:
+    callers look it up where they use it, so a torch without it fails only where cocodiff runs)."""
     if (module, name) not in TORCH_PRIVATE_NAMES:
         raise ValueError(f"{module}.{name} is not in compat.TORCH_PRIVATE_NAMES; add it there")
     try:

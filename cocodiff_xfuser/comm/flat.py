@@ -21,8 +21,6 @@ from .. import compat
 from . import order, transport
 
 _FUNCTIONAL = "torch.distributed._functional_collectives"
-_all_to_all_single = compat.torch_private(_FUNCTIONAL, "all_to_all_single")
-_AsyncCollectiveTensor = compat.torch_private(_FUNCTIONAL, "AsyncCollectiveTensor")
 
 # gloo (and NCCL before torch 2.11) reject float8 collectives; the exchange is pure data
 # movement, so a same-width integer view is exact.
@@ -45,7 +43,7 @@ class AllToAllHandle(Protocol):
 
 def wait_collective(t: torch.Tensor) -> torch.Tensor:
     # Under tracing functional collectives return plain tensors with the wait already inserted.
-    return t.wait() if isinstance(t, _AsyncCollectiveTensor) else t
+    return t.wait() if isinstance(t, compat.torch_private(_FUNCTIONAL, "AsyncCollectiveTensor")) else t
 
 
 def comm_view(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +63,8 @@ class FlatHandle:
     ) -> None:
         self._dtype = x.dtype
         order.launched(group, "all_to_all_single")
-        self._out: torch.Tensor = _all_to_all_single(comm_view(x), output_split_sizes, input_split_sizes, group)
+        all_to_all_single = compat.torch_private(_FUNCTIONAL, "all_to_all_single")
+        self._out: torch.Tensor = all_to_all_single(comm_view(x), output_split_sizes, input_split_sizes, group)
         self._done = False
 
     def advance(self) -> bool:

@@ -30,6 +30,10 @@ def env_backend() -> str:
     return os.environ.get(BACKEND_ENV, "").strip().lower() or "ulysses"
 
 
+#: A settings field's type (its annotation's text) -> what argparse converts the flag's value with.
+_TYPES = {"str": str, "str | None": str, "float": float, "int": int}
+
+
 def _add_backend_args(parser) -> None:
     group = parser.add_argument_group("cocodiff-xfuser")
     default = env_backend()
@@ -82,8 +86,6 @@ def _add_backend_args(parser) -> None:
             help=f"cocodiff: V-Major {knob.metadata['help']} (default: the settings file).",
         )
 
-
-_TYPES = {"str": str, "str | None": str, "float": float, "int": int}
 
 BACKEND_KEYS = (
     "sp_backend", *(f"cocodiff_{name}" for name, _ in settings.flags(Options)),
