@@ -168,6 +168,7 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     from xfuser.core.distributed.parallel_state import destroy_model_parallel
 
     from cocodiff_xfuser import platform
+    from cocodiff_xfuser.comm.timing import slowest
     from cocodiff_xfuser.comm.topology import resolve
     from cocodiff_xfuser.tools import generate
     from cocodiff_xfuser.tools.bench import a2a as bench_a2a
@@ -179,9 +180,7 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     sizes = message_sizes(model, size, world)
     cases = [[quality.default_prompts(model)[0], run.seed]]
     base = generate.runner_args(run.runner_argv())
-
-    def slowest(value: float) -> float:  # the slowest rank sets the pace
-        return max(generate.gather(value))
+    device = platform.detect().device(int(os.environ.get("LOCAL_RANK", "0")))
 
     def timed(args: dict) -> dict:
         """One configuration run on every rank (collective): its images on this rank, and its step,
@@ -190,8 +189,10 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         comm, images = done["comm"], np.stack(done["images"]) if done["images"] else None
         timings = done["timings"]
         median = statistics.median(timings)
-        return {"step_s": slowest(median / steps), "spread": slowest((max(timings) - min(timings)) / median),
-                "images": images, "exposed_s": slowest(comm["blocked_s_max_over_ranks"] / (comm["runs"] * steps)),
+        # The slowest rank sets the pace: one reduction; the blocked time is the slowest rank's already.
+        step_s, spread = slowest([median / steps, (max(timings) - min(timings)) / median], dist.group.WORLD, device)
+        return {"step_s": step_s, "spread": spread,
+                "images": images, "exposed_s": comm["blocked_s_max_over_ranks"] / (comm["runs"] * steps),
                 "runner": done["runner"],
                 "ran": {**{k: done["ran"][k] for k in ("exchanges", "fallbacks", "v_first_calls")},
                         "v_major_tokens": done["ran"]["v_major"].get("tokens", 0)}}
@@ -209,8 +210,6 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
 
     progress.begin("exchanges")
     topo = resolve(topology, world)  # collective where detected: on every rank
-    plat = platform.detect()
-    device = plat.device(int(os.environ.get("LOCAL_RANK", "0")))
     dtype = {4: torch.float32, 2: torch.bfloat16}[spec.dtype_bytes]
     reports = []
     for nbytes in sizes:
