@@ -142,14 +142,14 @@ def test_budget_share_is_the_fewest_tokens_meeting_the_error():
     change = torch.arange(10.0) ** 2
     v = torch.full((1000,), 1.0)
     for error in (0.05, 0.1, 0.2, 0.5):
-        share, ranked = policy._share_needed(change, v, error)
+        share, ranked = policy.share_needed(change, v, error)
         share = float(share)
         assert ranked.tolist() == list(range(10))  # smallest change first
         k = round(share * 10)
         left = sorted(change.tolist(), reverse=True)[k:]
         assert sum(left) <= error**2 * 1000  # sending the k largest meets the budget ...
         assert k == 0 or sum(left) + sorted(change.tolist(), reverse=True)[k - 1] > error**2 * 1000  # ... k-1 would not
-    assert float(policy._share_needed(torch.zeros(10), v, 0.1)[0]) == 0.0
+    assert float(policy.share_needed(torch.zeros(10), v, 0.1)[0]) == 0.0
 
 
 def test_joined_caches_are_views_of_one_tensor_until_an_entry_is_replaced():

@@ -26,13 +26,17 @@ FP8 = torch.float8_e4m3fn
 #: The dtypes packed (narrower data, xfuser's own fp8 communication, travels as it is).
 WIDE = (torch.float32, torch.bfloat16, torch.float16)
 _MAX = torch.finfo(FP8).max
+#: Scales multiply by the reciprocal: CUDA divides a tensor by a scalar that way, the CPU divides
+#: exactly, and one ulp of scale moves values across fp8's rounding ties, so the devices would
+#: pack different bytes. A multiplication rounds the same on every device.
+_INV_MAX = 1.0 / _MAX
 _SCALE_BYTES = 4
 
 
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``[..., d]`` as fp8 values and one float32 scale per row (``[..., 1]``), both formats' numerics."""
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / _MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = (amax * _INV_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     return (x.float() / scale).to(FP8), scale
 
 

@@ -64,6 +64,11 @@ DEFAULT_TFLOPS = 200.0
 #: is exact, the others send their rows as fp8 residuals, 1 byte per element, in every exchange).
 V_MAJOR_SWEEP = "sweep-v-major-budget-digits-flux.json"
 V_MAJOR_EXACT_STEPS = 1
+#: V-Major's own work per layer (ranking tokens by change, encoding and applying residuals), as
+#: ``bench kernels`` measured it on one GPU kernel by kernel (as an uncompiled xfuser job launches
+#: it): the shipped runs, fitted per byte of V a rank holds, price it on the presets of that GPU.
+KERNELS = "kernels-*.json"
+KERNEL_GPUS = {"dgx-h100": "H100"}
 #: What real collectives achieved on a preset's hardware, where a source measured it: the
 #: uncalibrated plan says it beside its line-rate prices.
 MEASURED = {
@@ -658,10 +663,19 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
                   cfg_parallel=best["cfg"] == 2, steps=steps, tflops=tf, v_first=True)
         measured = v_major_defaults()
         vm = predict_step(spec, slow, c, v_major=measured["v_major_active_fraction"], **kw)
-        if vm["comm_s"] < 0.8 * best["cocodiff_comm_s"]:
-            vmaj = {"comm_s": vm["comm_s"] + best["ring_s"], "flag": "--cocodiff-v-major on",
+        # Its own work per layer, on the V a rank holds ([s / (U R)] tokens x every head), where measured.
+        cost = v_major_layer_cost(KERNEL_GPUS[cluster]) if cluster in KERNEL_GPUS else None
+        b = batch * (2 if spec.cfg and best["cfg"] == 1 else 1)
+        work = 0.0 if cost is None else sum(
+            n * (cost[0] + cost[1] * b * (img + (txt if j else 0)) / (best["ulysses"] * best["ring"])
+                 * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn)
+        priced = (f"its kernels priced at {work * 1e3:.2f} ms per step (measured on one {KERNEL_GPUS[cluster]})"
+                  if cost is not None else "its kernels not priced (measured on no GPU of this preset)")
+        if vm["comm_s"] + work < 0.8 * best["cocodiff_comm_s"]:
+            vmaj = {"comm_s": vm["comm_s"] + best["ring_s"], "compute_s": work, "flag": "--cocodiff-v-major on",
                     "note": f"lossy: {measured['psnr_db']:.1f} dB PSNR vs stock on digits-flux at the defaults "
-                            f"({measured['slow_link_bytes_saved_fraction']:.0%} of the slow-link bytes saved); judge on your model"}
+                            f"({measured['slow_link_bytes_saved_fraction']:.0%} of the slow-link bytes saved; "
+                            f"{priced}); judge on your model"}
     return {"model": spec.name, "model_source": spec.source, "size": size, "frames": frames, "batch": batch,
             "steps": steps, "cluster": cluster, "nodes": nodes, "world": W, "levels": full.describe(),
             "tokens": {"image": img, "text": txt}, "calibrated": calibrated, "calibration": calibration,
@@ -670,6 +684,21 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
             "recommended": {"flags": " ".join(flags), **{k: best[k] for k in ("ulysses", "ring", "cfg")}},
             "best_stock": best_stock, "speedup_vs_best_stock": best_stock["stock_step_s"] / best["step_s"],
             "v_major": vmaj}
+
+
+def v_major_layer_cost(gpu: str) -> Optional[Tuple[float, float]]:
+    """V-Major's seconds per layer on ``gpu`` as ``(fixed, per byte of V)``, least squares over the
+    shipped ``bench kernels`` runs on that GPU (launched kernel by kernel); None without any."""
+    points = [(r["tokens_local"] * r["heads_local"] * r["ulysses"] * MODELS[d["model"]].head_dim
+               * MODELS[d["model"]].dtype_bytes, r["v_major_s"])
+              for path in sorted(RESULTS_DIR.glob(KERNELS)) for d in [json.loads(path.read_text())]
+              if gpu in d["device"] for r in d["rows"] if not r["graph"]]
+    if len(points) < 2:
+        return None
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - slope * mx, slope
 
 
 def v_major_defaults() -> dict:

@@ -69,7 +69,7 @@ class Layer:
         reference = caches.reference.get("v")
         ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
         if settings.policy == "budget" and reference is not None:
-            share, ranked = _share_needed(_squared_change(v, reference), v, settings.error)
+            share, ranked = share_needed(squared_change(v, reference), v, settings.error)
             clock.need(self.index, share)
         k = None if reference is None else self._count(step, s)
         if (
@@ -132,12 +132,12 @@ class Layer:
         return change.topk(k).indices
 
 
-def _squared_change(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+def squared_change(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Per token, ``||v - reference||^2`` over everything else (batch included): ``[s]``."""
     return (v - reference).float().square().sum(dim=(0, 1, 2, 3, 5))
 
 
-def _share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> tuple[torch.Tensor, torch.Tensor]:
+def share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest share of tokens whose sending (largest ``change`` first) leaves the relative L2
     error of V as the receivers hold it within ``error`` (a device scalar), and the tokens ranked
     by ``change``, smallest first (the share's tokens are the last ones): the tokens left out are

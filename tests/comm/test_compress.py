@@ -80,3 +80,16 @@ def test_fp8_exchanges_run_in_a_job_and_cut_the_bytes(tmp_path):
         assert not np.array_equal(stock, ours)
         psnr[setting] = peak_signal_noise_ratio(stock, ours, data_range=1.0)
     assert psnr["fp8"] > 25 and psnr["fp8-slow"] > psnr["fp8"], psnr
+
+
+def test_scales_round_the_same_on_every_device():
+    # CUDA divides by a scalar through its reciprocal; the scales multiply by it on every device.
+    x = torch.randn(4, 64, 128).bfloat16()
+    amax = x.abs().amax(-1, keepdim=True).float()
+    assert torch.equal(compress.pack(x)[:, 64 * 128 :].view(torch.float32).view(4, 64, 1), amax * torch.tensor(1 / 448))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_packs_the_cpus_bytes():
+    x = torch.randn(4, 1, 1, 6, 576, 128, generator=torch.Generator().manual_seed(1)).bfloat16().reshape(4, -1, 128)
+    assert torch.equal(compress.pack(x.cuda()).cpu(), compress.pack(x))

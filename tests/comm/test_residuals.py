@@ -1,5 +1,6 @@
 """Step residuals: the receiver's copy is the sender's reference, and error feedback keeps it close."""
 
+import pytest
 import torch
 
 from cocodiff_xfuser.comm.residuals import apply, encode
@@ -37,3 +38,18 @@ def test_out_of_range_changes_are_clamped_not_nan():
     x, reference = torch.full((1, 2, 2), 1e6), torch.zeros(1, 2, 2)
     payload = encode(x, reference, torch.arange(2), 1, torch.float8_e4m3fn)
     assert not payload.float().isnan().any() and payload.float().max() == torch.finfo(torch.float8_e4m3fn).max
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_encodes_and_applies_the_cpus_bits():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 1, 1, 6, 576, 128, generator=g).bfloat16()
+    reference = x + 0.02 * torch.randn(x.shape, generator=g).bfloat16()
+    rows = torch.arange(100, 400)
+    out = {}
+    for device in ("cpu", "cuda"):
+        ref, held = reference.clone().to(device), reference.clone().to(device)
+        payload = encode(x.to(device), ref, rows.to(device), 4, torch.float8_e4m3fn)
+        apply(held, payload, rows.to(device), 4, is_residual=True)
+        out[device] = [t.cpu() for t in (payload.view(torch.uint8), ref, held)]
+    assert all(torch.equal(a, b) for a, b in zip(out["cpu"], out["cuda"]))

@@ -203,6 +203,20 @@ def test_the_planner_reads_the_shipped_measurements():
 
     assert plan.RESULTS_DIR == shipped.RESULTS
     assert len(list(shipped.RESULTS.glob("a2a-*-*x*.json"))) == 9
+    fixed, per_byte = plan.v_major_layer_cost("H100")  # bench kernels on one H100, fitted
+    assert fixed > 0 and per_byte > 0 and plan.v_major_layer_cost("no such GPU") is None
+
+
+def test_v_major_is_suggested_only_where_it_saves_more_than_its_kernels_cost(monkeypatch):
+    # On two H100 nodes at U32, V-Major's bytes saved would be worth it if its kernels were free;
+    # priced at what one H100 measured, they cost more than the exchange time they save.
+    unpriced = dict(plan.KERNEL_GPUS)
+    monkeypatch.setattr(plan, "KERNEL_GPUS", {})
+    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"] is not None
+    monkeypatch.setattr(plan, "KERNEL_GPUS", unpriced)
+    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"] is None
+    suggested = plan.plan("flux-dev", 1024, cluster="aurora", nodes=2)["v_major"]
+    assert suggested["compute_s"] == 0.0 and "not priced" in suggested["note"]
 
 
 @pytest.mark.distributed
@@ -221,6 +235,7 @@ def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
     assert "cocodiff_xfuser/configs/dgx-h100.yaml" in names and "cocodiff_xfuser/configs/policies/v-major.yaml" in names
     assert sum(n.startswith("cocodiff_xfuser/results/a2a-") for n in names) == 9
     assert f"cocodiff_xfuser/results/{plan.V_MAJOR_SWEEP}" in names
+    assert sum(n.startswith("cocodiff_xfuser/results/kernels-") for n in names) == 3
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = ("import sys, cocodiff_xfuser; assert cocodiff_xfuser.__file__.startswith(sys.argv[1]); "
             "from cocodiff_xfuser.tools.cli import main; sys.exit(main(sys.argv[2:]))")

@@ -1,0 +1,24 @@
+"""``cocodiff bench kernels``: one rank's layer and V-Major's work on it, at a model's size."""
+
+import json
+
+from cocodiff_xfuser.tools.bench import kernels
+from cocodiff_xfuser.tools.cli import main
+
+
+def test_reports_the_layer_and_v_major_per_degree(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--model", "tiny-flux", "--size", "64", "--ulysses", "1,2", "--device", "cpu",
+                 "--reps", "1", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["ulysses"] for r in rep["rows"]] == [1, 2] and not any(r["graph"] for r in rep["rows"])
+    one, two = rep["rows"]
+    assert two["tokens_local"] * 2 == one["tokens_local"] == one["tokens"] and two["heads_local"] * 2 == one["heads_local"]
+    assert one["gated_tensors"] == 4  # the default scope gates Q, K, V and the output
+    assert all(r["compute_s"] > 0 and r["v_major_s"] > 0 and r["v_first_window_s"] > 0 for r in rep["rows"])
+    assert "V-Major ms" in capsys.readouterr().out
+
+
+def test_a_degree_that_does_not_divide_is_one_line(capsys):
+    assert kernels.main(["--model", "tiny-flux", "--size", "64", "--ulysses", "3", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("cocodiff bench kernels: tiny-flux at 64px")
