@@ -177,13 +177,13 @@ class CocodiffBackend:
 
     def finish(self, step: Callable[[], T], label: str, algorithm: str) -> T:
         """``step()`` (choosing, starting, advancing or waiting for an exchange); a failed or
-        timed-out exchange ends this rank with one line."""
+        timed-out exchange is one line to the process's fault handler (in a job: the rank ends)."""
         where = f"{algorithm} over {self._group_desc}"
         try:
             with faults.inside(label, where):
                 return step()
         except RuntimeError as e:
-            faults.abort(self.rank, label, where, self.options.timeout_s, e)
+            faults.failed_exchange(self.rank, label, where, self.options.timeout_s, e)
 
     def _pending_handle(self, handle: _Reshaping) -> _Reshaping:
         """``handle``, remembered until it completes (a measurement completes it first)."""

@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Union
 
 import torch
 
@@ -36,12 +36,6 @@ def _knob(help: str) -> Any:
 
 
 DEFAULTS = CONFIGS / "policies" / "v-major.yaml"
-POLICIES = ("threshold", "top-k", "schedule", "budget")
-#: The knobs each policy reads besides the ones every policy reads (warm-up, refresh, scope, residual
-#: dtype, cache budget): a knob given for a policy that does not read it is refused.
-POLICY_KNOBS = {"threshold": ("metric", "threshold"), "top-k": ("metric", "fraction"),
-                "schedule": ("metric", "final_cached"), "budget": ("error",)}
-POLICY_READ = {knob for knobs in POLICY_KNOBS.values() for knob in knobs}
 METRICS = ("rel-l2", "l1")
 SCOPES = ("v", "qkv", "qkvo")
 RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn")
@@ -91,16 +85,98 @@ def error_for(min_psnr_db: float, path: Path = CALIBRATION) -> float:
     return min(errors)
 
 
+def _share(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected a share between 0 and 1")
+
+
+def _metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise ValueError(f"--cocodiff-v-major-metric {metric!r}: expected one of {', '.join(METRICS)}")
+
+
+_METRIC_HELP = f"change of a token: {', '.join(METRICS)}"
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """Sends the tokens whose change exceeds ``threshold``; the counts, read from the data, are
+    agreed at every layer."""
+
+    name: ClassVar[str] = "threshold"
+    metric: str = _knob(_METRIC_HELP)
+    threshold: float = _knob("change above which a token is sent (policy threshold)")
+
+    def check(self) -> None:
+        _metric(self.metric)
+        if self.threshold < 0:
+            raise ValueError(f"--cocodiff-v-major-threshold {self.threshold!r}: must be >= 0")
+
+    def describe(self) -> str:
+        return f"change > {self.threshold:g} ({self.metric})"
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Sends the ``fraction`` of tokens that changed most."""
+
+    name: ClassVar[str] = "top-k"
+    metric: str = _knob(_METRIC_HELP)
+    fraction: float = _knob("share of tokens sent per step (policy top-k)")
+
+    def check(self) -> None:
+        _metric(self.metric)
+        _share("fraction", self.fraction)
+
+    def describe(self) -> str:
+        return f"top {self.fraction:.0%} per step ({self.metric})"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Top-k with a cached share rising linearly from 0 after the warm-up to ``final_cached`` at the
+    last step (the CoCoDiff paper's schedule)."""
+
+    name: ClassVar[str] = "schedule"
+    metric: str = _knob(_METRIC_HELP)
+    final_cached: float = _knob("cached share reached at the last step (policy schedule)")
+
+    def check(self) -> None:
+        _metric(self.metric)
+        _share("final-cached", self.final_cached)
+
+    def describe(self) -> str:
+        return f"cached share rising to {self.final_cached:.0%} ({self.metric})"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per layer, the fewest tokens (largest change first) that keep the relative L2 error of V as
+    the receivers hold it within ``error``, measured at every step (``--cocodiff-v-major auto``)."""
+
+    name: ClassVar[str] = "budget"
+    error: float = _knob("relative L2 error of V kept per layer (policy budget)")
+
+    def check(self) -> None:
+        if not 0.0 < self.error < 1.0:
+            raise ValueError(f"--cocodiff-v-major-error {self.error!r}: expected a relative error between 0 and 1")
+
+    def describe(self) -> str:
+        return f"fewest tokens keeping V's error within {self.error:g} (rel-l2, per layer)"
+
+
+#: V-Major's token-selection policies, by name: each class holds the knobs it reads and nothing else.
+RULES = {rule.name: rule for rule in (Threshold, TopK, Schedule, Budget)}
+POLICIES = tuple(RULES)
+Rule = Union[Threshold, TopK, Schedule, Budget]
+
+
 @dataclass(frozen=True)
 class VMajorSettings:
-    """The V-Major knobs (``configs/policies/v-major.yaml``; each also a ``--cocodiff-v-major-*`` flag)."""
+    """The V-Major knobs (``configs/policies/v-major.yaml``; each also a ``--cocodiff-v-major-*`` flag):
+    the policy (``rule``, with its own knobs) and the knobs every policy reads."""
 
-    policy: str = _knob(f"token selection: {', '.join(POLICIES)}")
-    metric: str = _knob(f"change of a token: {', '.join(METRICS)}")
-    threshold: float = _knob("change above which a token is sent (policy threshold)")
-    error: float = _knob("relative L2 error of V kept per layer (policy budget)")
-    fraction: float = _knob("share of tokens sent per step (policy top-k)")
-    final_cached: float = _knob("cached share reached at the last step (policy schedule)")
+    rule: Rule
     warmup_steps: int = _knob("first steps exchanged in full")
     refresh_every: int = _knob("full exchange every this many steps (0: never)")
     scope: str = _knob(f"exchanges the mask gates: {', '.join(SCOPES)}")
@@ -110,6 +186,10 @@ class VMajorSettings:
     # --cocodiff-v-major auto's target (not a file knob): its ``error`` came from the calibration,
     # and V-Major turns itself off where its steps are not faster than exact ones.
     min_psnr_db: float | None = None
+
+    @property
+    def policy(self) -> str:
+        return self.rule.name
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, min_psnr_db: float | None = None, strict: bool = False,
@@ -132,52 +212,37 @@ class VMajorSettings:
         if path != DEFAULTS:  # a user's file may set only some knobs
             data = {**yaml.safe_load(DEFAULTS.read_text()), **data}
         data.update({k: v for k, v in overrides.items() if v is not None})
+        rule = RULES.get(str(data["policy"]))
+        if rule is None:
+            raise ValueError(f"--cocodiff-v-major-policy {data['policy']!r}: expected one of {', '.join(POLICIES)}")
+        if strict:  # a knob the user set that the chosen policy never reads: one line, not a silent no-op
+            _check_read(rule, given, min_psnr_db)
+
+        def typed(k: str) -> Any:
+            return (int if names[k] == "int" else float if names[k] == "float" else str)(data[k])
+
         try:
-            settings = cls(**{k: (int if names[k] == "int" else float if names[k] == "float" else str)(data[k]) for k in names},
-                           min_psnr_db=min_psnr_db)
+            settings = cls(rule(**{f.name: typed(f.name) for f in fields(rule)}),
+                           **{f.name: typed(f.name) for f in fields(cls) if "help" in f.metadata}, min_psnr_db=min_psnr_db)
         except (TypeError, ValueError) as e:
             raise ValueError(f"V-Major settings: {e}") from e
         settings.check()
-        if strict:
-            settings.check_read(given)
         return settings
 
-    def check_read(self, given: set[str]) -> None:
-        """One line for the first knob in ``given`` that these settings never read."""
-        unread = sorted(given & (POLICY_READ - set(POLICY_KNOBS[self.policy])))
-        if unread:
-            name = unread[0]
-            readers = [policy for policy, knobs in POLICY_KNOBS.items() if name in knobs]
-            raise ValueError(f"--cocodiff-v-major-{name.replace('_', '-')} is not read by policy {self.policy} (read by "
-                             f"{', '.join(readers)}): leave it out or choose one of those with --cocodiff-v-major-policy")
-        if "if_slower" in given and self.min_psnr_db is None:
-            raise ValueError("--cocodiff-v-major-if-slower acts only with --cocodiff-v-major auto (its speed check): leave it out")
-
     def check(self) -> None:
+        self.rule.check()
         for name, value, allowed in (
-            ("policy", self.policy, POLICIES),
-            ("metric", self.metric, METRICS),
             ("scope", self.scope, SCOPES),
             ("residual-dtype", self.residual_dtype, RESIDUAL_DTYPES),
             ("if-slower", self.if_slower, IF_SLOWER),
         ):
             if value not in allowed:
                 raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected one of {', '.join(allowed)}")
-        for name, value in (("fraction", self.fraction), ("final-cached", self.final_cached)):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected a share between 0 and 1")
-        if not 0.0 < self.error < 1.0:
-            raise ValueError(f"--cocodiff-v-major-error {self.error!r}: expected a relative error between 0 and 1")
-        if self.threshold < 0 or self.warmup_steps < 0 or self.refresh_every < 0 or self.budget_mib < 0:
-            raise ValueError("--cocodiff-v-major-threshold, -warmup-steps, -refresh-every and -budget-mib must be >= 0")
+        if self.warmup_steps < 0 or self.refresh_every < 0 or self.budget_mib < 0:
+            raise ValueError("--cocodiff-v-major-warmup-steps, -refresh-every and -budget-mib must be >= 0")
 
     def describe(self) -> str:
-        rule = {
-            "threshold": f"change > {self.threshold:g} ({self.metric})",
-            "top-k": f"top {self.fraction:.0%} per step ({self.metric})",
-            "schedule": f"cached share rising to {self.final_cached:.0%} ({self.metric})",
-            "budget": f"fewest tokens keeping V's error within {self.error:g} (rel-l2, per layer)",
-        }[self.policy]
+        rule = self.rule.describe()
         refresh = f", full every {self.refresh_every} steps" if self.refresh_every else ""
         rows = "values" if self.residual_dtype == "none" else f"{self.residual_dtype} residuals"
         auto = "" if self.min_psnr_db is None else f"auto for {self.min_psnr_db:g} dB: "
@@ -226,6 +291,32 @@ def flags(cls: type) -> list[tuple[str, Any]]:
     return [(f.metadata.get("flag") or f.name, f) for f in fields(cls) if "help" in f.metadata]
 
 
+@dataclass(frozen=True)
+class _Policy:
+    """The policy's name as a settings-file key and flag (VMajorSettings holds it as its ``rule``)."""
+
+    policy: str = _knob(f"token selection: {', '.join(POLICIES)}")
+
+
 def knobs() -> list[Any]:
-    """The V-Major knobs (:class:`VMajorSettings` fields of a settings file)."""
-    return [f for f in fields(VMajorSettings) if "help" in f.metadata]
+    """The V-Major knobs, the keys of a settings file: the policy, every policy's own knobs (once
+    each), and the knobs every policy reads."""
+    found: dict[str, Any] = {}
+    for cls in (_Policy, *RULES.values(), VMajorSettings):
+        found.update({f.name: f for f in fields(cls) if "help" in f.metadata and f.name not in found})
+    return list(found.values())
+
+
+def _check_read(rule: type, given: set[str], min_psnr_db: float | None) -> None:
+    """One line for the first knob in ``given`` that another policy reads and ``rule`` does not (the
+    knobs every policy reads are always read); ``--cocodiff-v-major-if-slower`` outside auto likewise."""
+    own = {f.name for f in fields(rule)}
+    policy_knobs = {f.name for r in RULES.values() for f in fields(r)}
+    unread = sorted(given & (policy_knobs - own))
+    if unread:
+        name = unread[0]
+        readers = [r.name for r in RULES.values() if name in {f.name for f in fields(r)}]
+        raise ValueError(f"--cocodiff-v-major-{name.replace('_', '-')} is not read by policy {rule.name} (read by "
+                         f"{', '.join(readers)}): leave it out or choose one of those with --cocodiff-v-major-policy")
+    if "if_slower" in given and min_psnr_db is None:
+        raise ValueError("--cocodiff-v-major-if-slower acts only with --cocodiff-v-major auto (its speed check): leave it out")

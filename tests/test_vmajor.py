@@ -4,6 +4,7 @@ and the budget on 4 ranks (the exchanges themselves: tests/comm)."""
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -31,12 +32,12 @@ def test_every_row_goes_without_indices_where_that_is_no_more_bytes():
 def test_shipped_defaults_load_and_flags_override(tmp_path):
     settings = VMajorSettings.load()
     assert settings.policy in POLICIES and settings.scope in SCOPES
-    assert VMajorSettings.load(threshold=0.3, scope="v").threshold == 0.3
+    assert VMajorSettings.load(policy="threshold", threshold=0.3, scope="v").rule.threshold == 0.3
     # A user's file may set some knobs; the rest come from the shipped defaults.
     partial = tmp_path / "mine.yaml"
     partial.write_text("policy: top-k\nfraction: 0.25\n")
     mine = VMajorSettings.load(partial)
-    assert (mine.policy, mine.fraction, mine.metric) == ("top-k", 0.25, settings.metric)
+    assert (mine.policy, mine.rule.fraction, mine.rule.metric) == ("top-k", 0.25, "rel-l2")
     assert "top 25% per step" in mine.describe()
 
 
@@ -44,9 +45,9 @@ def test_shipped_defaults_load_and_flags_override(tmp_path):
     "overrides, message",
     [
         ({"policy": "random"}, "--cocodiff-v-major-policy 'random'"),
-        ({"fraction": 1.5}, "--cocodiff-v-major-fraction"),
+        ({"policy": "top-k", "fraction": 1.5}, "--cocodiff-v-major-fraction"),
         ({"residual_dtype": "int4"}, "--cocodiff-v-major-residual-dtype"),
-        ({"threshold": -1.0}, "must be >= 0"),
+        ({"policy": "threshold", "threshold": -1.0}, "must be >= 0"),
     ],
 )
 def test_bad_settings_are_one_clear_error(overrides, message):
@@ -190,31 +191,29 @@ def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
         error_for(38.0, tmp_path / "none.yaml")
 
 
-@pytest.mark.distributed
-def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
-    """An image generated after others in the same job is bitwise the image of the first call (the
-    caches start over at every pipeline call); a budget no layer fits gives the exact exchange.
-    Auto's speed check (timed steps in the first call) keeps V-Major on or turns it off for the job,
-    counted either way. One torchrun job: every backend variant builds its own pipeline, so its
-    first call starts fresh."""
+def _three_calls(tmp_path, variants: dict, steps: int) -> Callable[[str], tuple[np.ndarray, dict]]:
+    """One torchrun job on digits-flux (2x2): V-Major on, and each variant, generating digit 7,
+    digit 3, digit 7 (every variant builds its own pipeline, so its first call starts fresh); the
+    images and the result of a backend."""
     tiny_models.ensure_fixture(digits.NAME)
-    cases = [["digit 7", 1], ["digit 3", 0], ["digit 7", 1]]
-    variants = {
-        "budget": {"sp_backend": "cocodiff", "cocodiff_v_major_budget_mib": 0.01},
-        "auto": {"sp_backend": "cocodiff", "cocodiff_v_major": "auto", "cocodiff_v_major_if_slower": "stop"},
-        "vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "off"},
-    }
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "cases.json").write_text(json.dumps([["digit 7", 1], ["digit 3", 0], ["digit 7", 1]]))
     (tmp_path / "variants.json").write_text(json.dumps(variants))
-    # 10 steps: auto's trial (steps 2 to 7) decides at step 8 of the first call.
-    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", steps=10, extra=("--cocodiff_v_major", "on"))
-    argv = run.argv(("cocodiff", "budget", "auto", "vfirst"), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
+    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", steps=steps, extra=("--cocodiff_v_major", "on"))
+    argv = run.argv(("cocodiff", *variants), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
     launcher.torchrun(4, argv, timeout=600)
 
     def generated(backend: str) -> tuple[np.ndarray, dict]:
         where = output_dir(tmp_path, tiny_models.SPECS[digits.NAME].model_id, backend)
         return np.load(where / "images.npy"), json.loads((where / "result.json").read_text())
 
+    return generated
+
+
+@pytest.mark.distributed
+def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
+    """An image generated after others in the same job is bitwise the image of the first call (the
+    caches start over at every pipeline call); a budget no layer fits gives the exact exchange."""
+    generated = _three_calls(tmp_path, {"budget": {"sp_backend": "cocodiff", "cocodiff_v_major_budget_mib": 0.01}}, steps=6)
     images, result = generated("cocodiff")
     assert np.array_equal(images[2], images[0])
     assert any(name.startswith("v-major") for name in result["ran"]["exchanges"]), result["ran"]
@@ -223,6 +222,19 @@ def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     assert not any(name.startswith("v-major") for name in over["ran"]["exchanges"]), over["ran"]
     assert over["ran"]["slow_link_bytes"] == over["ran"]["slow_link_bytes_exact"]
     assert not np.array_equal(exact[0], images[0])  # V-Major is lossy; the budget fall-back is exact
+
+
+@pytest.mark.slow  # auto's trial needs 10 steps per call
+@pytest.mark.distributed
+def test_auto_decides_in_the_first_call_and_keeps_its_decision(tmp_path):
+    """Auto's speed check (timed steps in the first call) keeps V-Major on or turns it off for the
+    job, counted either way; turned off, the later images are V-First's, bitwise."""
+    variants = {
+        "auto": {"sp_backend": "cocodiff", "cocodiff_v_major": "auto", "cocodiff_v_major_if_slower": "stop"},
+        "vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "off"},
+    }
+    # 10 steps: auto's trial (steps 2 to 7) decides at step 8 of the first call.
+    generated = _three_calls(tmp_path, variants, steps=10)
     # Auto: in the first call, its trial ran steps 3, 4 and 7 as V-First alone (exact, no selection).
     first, later = generated("auto")[1]["ran"], generated("vfirst")[0]
     layers, ranks = 6, 4

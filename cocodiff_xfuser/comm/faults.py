@@ -1,25 +1,25 @@
-"""Faults end the job: every exchange is bounded in time, and a failed one ends its rank with one line.
+"""Faults are bounded and named: every exchange waits at most the timeout, and a failed one is one line.
 
 Without a bound, a rank that stalls (a stopped process, a lost link) leaves its peers waiting in
 a collective for the process group's default timeout (30 minutes for gloo) or for ever. The
 cocodiff groups get ``--cocodiff-timeout`` seconds (``COCODIFF_TIMEOUT``; default
-:data:`DEFAULT_TIMEOUT_S`); when an exchange times out or a peer dies, the rank prints one line
-that names itself, the exchange (layer label, phase, sub-group) and the timeout, and exits with
-:data:`EXIT_CODE`, which makes the launcher (torchrun, mpiexec) end the other ranks.
+:data:`DEFAULT_TIMEOUT_S`); when an exchange times out or a peer dies, :func:`failed_exchange`
+makes the one line that names the rank, the exchange (layer label, phase, sub-group) and the
+timeout, and hands it to the process's fault handler. What a failure does to the process is not
+this module's to decide: by default the line is raised (:class:`ExchangeFailed`); a job run with
+``--sp-backend cocodiff`` installs a handler that ends the rank
+(:mod:`cocodiff_xfuser.xfuser.fault_policy`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import sys
 from datetime import timedelta
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 TIMEOUT_ENV = "COCODIFF_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
-EXIT_CODE = 3
 
 
 class ExchangeFailed(RuntimeError):
@@ -83,14 +83,23 @@ def failed(where: str, error: BaseException) -> ExchangeFailed:
     return ExchangeFailed(f"{where}: {_first_line(error)}")
 
 
-def abort(rank: int, label: str, where: str, timeout_s: float, error: BaseException) -> NoReturn:
-    """End this rank: one line naming it, the exchange (``label``, ``where``: algorithm and group,
-    and the phase and sub-group the error names) and the timeout; then exit with :data:`EXIT_CODE`."""
-    line = (
+def _raise(line: str) -> NoReturn:
+    raise ExchangeFailed(line)
+
+
+_handler: Callable[[str], NoReturn] = _raise
+
+
+def set_handler(handler: Callable[[str], NoReturn]) -> None:
+    """What a failed exchange does with its one line (the process's fault policy; default: raise it)."""
+    global _handler
+    _handler = handler
+
+
+def failed_exchange(rank: int, label: str, where: str, timeout_s: float, error: BaseException) -> NoReturn:
+    """A failed exchange: one line naming the rank, the exchange (``label``, ``where``: algorithm
+    and group, and the phase and sub-group the error names) and the timeout, to the fault handler."""
+    _handler(
         f"cocodiff: rank {rank}: exchange '{label}' ({where}) did not complete: {_first_line(error)}; "
         f"timeout {timeout_s:g} s (--cocodiff-timeout / ${TIMEOUT_ENV}); ending the job"
     )
-    print(line, file=sys.stderr, flush=True)
-    logging.shutdown()
-    # A normal exit would run destructors that wait on the failed collectives again.
-    os._exit(EXIT_CODE)

@@ -705,7 +705,7 @@ def v_major_defaults() -> dict:
     """The shipped budget sweep's point at V-Major's default error (:data:`V_MAJOR_SWEEP`)."""
     from cocodiff_xfuser.settings import VMajorSettings
 
-    error = VMajorSettings.load().error
+    error = VMajorSettings.load().rule.error
     points = json.loads((RESULTS_DIR / V_MAJOR_SWEEP).read_text())["points"]
     found = [p for p in points if p["settings"]["policy"] == "budget" and math.isclose(p["settings"]["error"], error)]
     if not found:

@@ -12,7 +12,7 @@ import torch
 
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residuals, sparse
-from cocodiff_xfuser.settings import SCOPES, VMajorSettings
+from cocodiff_xfuser.settings import SCOPES, Budget, Schedule, Threshold, TopK, VMajorSettings
 from cocodiff_xfuser.vmajor.clock import Clock
 from cocodiff_xfuser.vmajor.state import Caches, cache_bytes
 
@@ -68,13 +68,13 @@ class Layer:
         step, s = clock.step, v.shape[4]
         reference = caches.reference.get("v")
         ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
-        if settings.policy == "budget" and reference is not None:
-            share, ranked = share_needed(squared_change(v, reference), v, settings.error)
+        if isinstance(settings.rule, Budget) and reference is not None:
+            share, ranked = share_needed(squared_change(v, reference), v, settings.rule.error)
             clock.need(self.index, share)
         k = None if reference is None else self._count(step, s)
         if (
             step < settings.warmup_steps
-            or (settings.policy == "budget" and clock.shares_now() is None)  # nothing measured yet
+            or (isinstance(settings.rule, Budget) and clock.shares_now() is None)  # nothing measured yet
         ):
             k = s
         residual = settings.residual
@@ -96,39 +96,40 @@ class Layer:
         # Every rank's count: fixed by the policy and the step, or (threshold) agreed here, at V's
         # exchange, the same program point on every rank; Q/K's and the output's reuse it.
         world = v.shape[0]
-        fixed = settings.policy != "threshold"
+        fixed = not isinstance(settings.rule, Threshold)
         selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, clock.agreement_group())
         return Step(self, caches, active, selection)
 
     def _count(self, step: int, s: int) -> int | None:
         """How many of its ``s`` tokens this rank sends at ``step``, where the policy fixes it (the
         same on every rank); None for ``threshold``, whose count the data decides."""
-        settings = self.settings
-        if settings.policy == "top-k":
-            return math.ceil(settings.fraction * s)
-        if settings.policy == "schedule":
-            ramp = max(_total_steps() - settings.warmup_steps, 1)
-            cached = settings.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
+        rule = self.settings.rule
+        if isinstance(rule, TopK):
+            return math.ceil(rule.fraction * s)
+        if isinstance(rule, Schedule):
+            ramp = max(_total_steps() - self.settings.warmup_steps, 1)
+            cached = rule.final_cached * min((step - self.settings.warmup_steps + 1) / ramp, 1.0)
             return math.ceil((1.0 - cached) * s)
-        shares = self.clock.shares_now() if settings.policy == "budget" else None
+        shares = self.clock.shares_now() if isinstance(rule, Budget) else None
         if shares is not None:
             return min(math.ceil(shares[self.index] * s), s)
         return None
 
     def _select(self, v: torch.Tensor, reference: torch.Tensor, k: int | None) -> torch.Tensor:
-        """The active tokens: indices into this rank's tokens (``k`` of them where the policy fixes
-        the count, on the device without a host synchronization)."""
-        settings = self.settings
+        """The active tokens of the policies that rank by a metric (threshold, top-k, schedule):
+        indices into this rank's tokens (``k`` of them where the policy fixes the count, on the
+        device without a host synchronization)."""
+        rule = self.settings.rule
         dims = (0, 1, 3, 5)  # all but batch and token
         diff = (v - reference).float()
-        if settings.metric == "l1":
+        if rule.metric == "l1":
             change = diff.abs().mean(dim=dims)
         else:
             norm = torch.linalg.vector_norm(reference.float(), dim=dims)
             change = torch.linalg.vector_norm(diff, dim=dims) / norm.clamp_min(torch.finfo(torch.float32).tiny)
         change = change.amax(0)  # [s]: the largest change over the batch
         if k is None:
-            return (change > settings.threshold).nonzero().flatten()
+            return (change > rule.threshold).nonzero().flatten()
         return change.topk(k).indices
 
 

@@ -10,7 +10,6 @@ import types
 from cocodiff_xfuser import backend, commstats, compat, padding
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
-from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.xfuser import fault_policy, flags, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
@@ -42,7 +41,7 @@ def _activating_backend(original):
                 fault_policy.install(options.timeout_s)
                 backend.activate(get_sp_group().ulysses_group, options)
             except (ValueError, Disagreement) as e:
-                user_error(str(e))
+                fault_policy.end_job(str(e))
         else:
             backend.deactivate()
 
@@ -105,7 +104,7 @@ def _adapting_model_after(original, get_transformers):
         uneven = padded.uneven_heads(transformers, active.world_size)
         padding.set_uneven_heads(uneven)
         if reason is not None and uneven is not None:
-            user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
+            fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
         if reason is not None:
             # Which stock takes over: these models run xfuser's long-context attention, built on yunchang.
             logger.warning("cocodiff: %s; falling back to stock Ulysses (xfuser %s, yunchang %s)",
@@ -121,7 +120,7 @@ def _adapting_model_after(original, get_transformers):
                 families.install(transformer, v_major)
             stock = sorted({name for t in transformers for name in families.stock_usp(t)})
             if uneven is not None and stock:
-                user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
+                fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
         return result
 
     return wrapper
@@ -134,7 +133,7 @@ def _check_padding_possible(uneven: str) -> None:
 
     reason = ulysses.stock_reason()
     if reason is not None:
-        user_error(f"cocodiff: {uneven} need cocodiff's padded exchange, which {reason} rules out")
+        fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, which {reason} rules out")
 
 
 class _ModelRegistry(dict):

@@ -89,6 +89,7 @@ def test_exported_decisions(report):
         assert d["flat_s"] > 0 and d["hierarchical_s"] > 0 and d["flat_p2p_s"] > 0 and d["flat_pxn_s"] > 0
 
 
+@pytest.mark.slow  # the benchmark's command line: a benchmark run
 @pytest.mark.distributed
 def test_bench_a2a_cli():
     argv = ["-m", "cocodiff_xfuser.tools.bench.a2a", "--topology", "2x2", "--sizes-mib", "0.25,1", "--reps", "3", "--dtype", "fp32", "--json"]

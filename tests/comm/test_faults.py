@@ -73,7 +73,9 @@ def _check_one_line_per_rank(job: subprocess.Popen, ended: float, text: str) -> 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stalled", "killed"])
+# A stalled rank ends the job through the timeout, the harder path; a killed one (slow tier) through
+# its peers' failed exchanges.
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)], ids=["stalled", "killed"])
 def test_a_failed_rank_ends_the_xdit_job(tmp_path, fault):
     log = tmp_path / "job.log"
     cmd = [
@@ -125,3 +127,22 @@ def test_a_failed_rank_ends_an_emulated_multi_node_job(tmp_path, fault):
     assert not left, f"rank 2 ({victim}) outlived the job"
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert fab.prefix not in namespaces, namespaces
+
+
+def test_a_failed_exchange_is_one_line_that_the_fault_policy_acts_on(monkeypatch):
+    from cocodiff_xfuser import errors
+    from cocodiff_xfuser.comm import faults
+
+    # Outside a job (no fault policy installed) the line is raised, for the caller to handle.
+    with pytest.raises(faults.ExchangeFailed, match=r"^cocodiff: rank 1: exchange 'q' \(flat over 0-3\) did not complete: "
+                                                   r"peer gone; timeout 5 s"):
+        faults.failed_exchange(1, "q", "flat over 0-3", 5.0, RuntimeError("peer gone\nstack..."))
+    with pytest.raises(errors.UserError, match="^cocodiff: 5 heads"):
+        errors.user_error("5 heads")
+    # A job's fault policy (xfuser/fault_policy.py) takes the line instead: it ends the rank there.
+    seen = []
+    monkeypatch.setattr(faults, "_handler", seen.append)
+    monkeypatch.setattr(errors, "_handler", seen.append)
+    faults.failed_exchange(0, "o", "tapa", 1.0, RuntimeError("timed out"))
+    errors.user_error("cocodiff: bad")
+    assert seen[0].startswith("cocodiff: rank 0: exchange 'o' (tapa) did not complete: timed out") and seen[1] == "cocodiff: bad"

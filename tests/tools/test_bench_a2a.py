@@ -97,6 +97,7 @@ def _need_fabric():
         pytest.skip(f"emulated fabric unavailable: {reason}")
 
 
+@pytest.mark.slow  # a benchmark on the emulated cluster
 @pytest.mark.fabric
 def test_smoke_rail_2x2(tmp_path, capsys):
     _need_fabric()

@@ -125,6 +125,7 @@ def test_it_measures_the_planners_best_and_the_informed_users_layouts():
     assert "U4" not in names and {"U2xR2", "U2xCFG2"} <= set(names) and len(names) == len(set(names))
 
 
+@pytest.mark.slow  # check measures layouts: a benchmark run
 @pytest.mark.distributed
 def test_check_started_by_torchrun(tmp_path):
     """As on a user's cluster: every rank runs the stages in process; one node (no slow level), so

@@ -235,6 +235,7 @@ def test_mpiexec_launch_matches_stock(tmp_path):
     assert stock.tobytes() == ours.tobytes()
 
 
+@pytest.mark.slow  # the autotune measures every size; refusing a foreign file stays in make test
 @pytest.mark.distributed
 def test_autotune_decisions_are_exported_and_reloaded(tmp_path):
     """COCODIFF_A2A_DECISIONS: written at exit by one job, loaded by the next (same decisions)."""
@@ -305,7 +306,7 @@ def test_v_major_auto_takes_its_budget_from_the_calibration():
     config = types.SimpleNamespace(cocodiff_v_major="auto", cocodiff_v_major_min_psnr=40.0)
     settings = flags.v_major_settings(config)
     assert settings.policy == "budget" and settings.min_psnr_db == 40.0
-    assert settings.error == pytest.approx(error_for(40.0))
+    assert settings.rule.error == pytest.approx(error_for(40.0))
     on = flags.v_major_settings(types.SimpleNamespace(cocodiff_v_major="on"))
     assert on.min_psnr_db is None  # only auto checks its speed against the exact exchange
     with pytest.raises(ValueError, match="sets --cocodiff-v-major-policy itself"):
@@ -331,6 +332,6 @@ def test_a_v_major_knob_its_policy_does_not_read_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="^--cocodiff-v-major-threshold is not read by policy top-k"):
         settings(v_major="on", v_major_config=str(config))
     # what each policy reads is accepted
-    assert settings(v_major="on", v_major_policy="threshold", v_major_threshold=0.3, v_major_metric="l1").threshold == 0.3
-    assert settings(v_major="on", v_major_policy="top-k", v_major_fraction=0.3, v_major_warmup_steps=1).fraction == 0.3
+    assert settings(v_major="on", v_major_policy="threshold", v_major_threshold=0.3, v_major_metric="l1").rule.threshold == 0.3
+    assert settings(v_major="on", v_major_policy="top-k", v_major_fraction=0.3, v_major_warmup_steps=1).rule.fraction == 0.3
     assert settings(v_major="auto", v_major_if_slower="keep").if_slower == "keep"

@@ -80,7 +80,8 @@ def stock_run(tmp_path_factory):
 
 # PixArt-alpha runs the same transformer and processors as PixArt-sigma (its pipeline wrapper
 # differs): in make test the sigma example stands for both, and alpha runs with the slow tier.
-SLOW = {"pixartalpha_example.py"}
+# FLUX's processors run in make test through the equivalence suite; its control example is slow.
+SLOW = {"pixartalpha_example.py", "flux_control_example.py"}
 
 
 @pytest.mark.distributed

@@ -126,7 +126,7 @@ def layer(model: str, size: int, ulysses: int, device: torch.device, dtype: torc
         held = reference.clone()
         sent = torch.arange(s_local - math.ceil(SENT_SHARE * s_local), s_local, device=device)
         every = torch.arange(s_local, device=device)
-        rank_s = timed(lambda: policy.share_needed(policy.squared_change(v_rank, reference), v_rank, settings.error), reps)
+        rank_s = timed(lambda: policy.share_needed(policy.squared_change(v_rank, reference), v_rank, settings.rule.error), reps)
         ref = reference.clone()
         encode_s = timed(lambda: residuals.encode(v_rank, ref, sent, 4, settings.residual), reps)
         payload = residuals.encode(v_rank, reference.clone(), sent, 4, settings.residual)
