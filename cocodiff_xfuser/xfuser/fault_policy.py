@@ -53,10 +53,10 @@ def end_job(message: str) -> NoReturn:
 
 def install(timeout_s: float) -> None:
     """Bound this process's groups by ``timeout_s`` and end it with one line on failures."""
-    # torch has no public setter for existing groups; groups cocodiff creates later get the
-    # timeout at creation (``dist.new_group(timeout=faults.timeout())``).
     faults.set_handler(end_rank)
     errors.set_handler(end_job)
+    # torch has no public setter for existing groups; groups cocodiff creates later get the
+    # timeout at creation (``dist.new_group(timeout=faults.timeout())``).
     set_pg_timeout = compat.torch_private(_C10D, "_set_pg_timeout")
     for pg in list(compat.torch_private(_C10D, "_world").pg_map):
         set_pg_timeout(timedelta(seconds=timeout_s), pg)

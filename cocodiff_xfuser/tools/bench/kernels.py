@@ -76,7 +76,8 @@ def _timer(device: torch.device, graph: bool) -> Callable[[Callable[[], object],
     return timed
 
 
-def layer(model: str, size: int, ulysses: int, device: torch.device, dtype: torch.dtype, reps: int, graph: bool) -> dict:
+def layer(model: str, size: int, ulysses: int, device: torch.device, dtype: torch.dtype, reps: int, graph: bool,
+          settings: VMajorSettings) -> dict:
     """One rank's attention layer at Ulysses degree ``ulysses``, and V-Major's work on its V (as
     launched one kernel at a time, or with ``graph`` replayed from a CUDA graph)."""
     spec = MODELS[model]
@@ -87,7 +88,6 @@ def layer(model: str, size: int, ulysses: int, device: torch.device, dtype: torc
     h, d = spec.heads // ulysses, spec.head_dim
     width = spec.heads * d
     s_local = s // ulysses
-    settings = VMajorSettings.load()
     gated = GATED[settings.scope]
     timed = _timer(device, graph)
     g = torch.Generator(device=device).manual_seed(0)
@@ -155,9 +155,10 @@ def run(model: str, size: int, ulyssess: list[int], device: torch.device, dtype:
     """Every degree's layer, launched kernel by kernel, and on a GPU also replayed from CUDA graphs."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     modes = (False, True) if device.type == "cuda" else (False,)
-    rows = [{**layer(model, size, u, device, dtype, reps, graph), "graph": graph} for graph in modes for u in ulyssess]
+    settings = VMajorSettings.load()  # V-Major's defaults
+    rows = [{**layer(model, size, u, device, dtype, reps, graph, settings), "graph": graph} for graph in modes for u in ulyssess]
     return {"model": model, "size": size, "device": name, "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__, "reps": reps, "sent_share": SENT_SHARE, "v_major": VMajorSettings.load().describe(),
+            "torch": torch.__version__, "reps": reps, "sent_share": SENT_SHARE, "v_major": settings.describe(),
             "planner_assumed_tflops": TFLOPS, "layers": MODELS[model].layers, "rows": rows}
 
 
