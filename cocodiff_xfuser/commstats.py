@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from cocodiff_xfuser.comm import timing
+from cocodiff_xfuser.platform import detect
 
 CALIBRATION_CALLS = 3
 _enabled = os.environ.get("COCODIFF_COMM_STATS", "") not in ("", "0")
@@ -202,9 +203,13 @@ def timed_exchange(exchange: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
     """``exchange(x)``, blocking; with statistics on, its bytes and the time it blocked are recorded."""
     if not _enabled:
         return exchange(x)
-    started = timing.now(x.device)
+    # Synchronized at both ends (as comm.timing's samples are; imported there, timing would import the
+    # transport, which counts here): the device's time on GPUs, not the host's launch time.
+    detect().synchronize(x.device)
+    started = time.perf_counter()
     out = exchange(x)
-    record_exchange(x.numel() * x.element_size(), timing.now(x.device) - started)
+    detect().synchronize(x.device)
+    record_exchange(x.numel() * x.element_size(), time.perf_counter() - started)
     return out
 
 

@@ -20,6 +20,8 @@ TESTED_XFUSER_VERSION = "0.7.0"
 TESTED_TORCH_VERSION = "2.13.0"
 
 _USP = "xfuser.model_executor.layers.usp"
+#: torch's ring attention, which xfuser's ``ring_attn`` runs (``_templated_ring_attention``).
+RING_ATTENTION = "torch.distributed.tensor.experimental._context_parallel._attention"
 _TRANSFORMERS = "xfuser.model_executor.models.transformers"
 
 #: Private xfuser names read by cocodiff at run time, as (module, name).
@@ -45,6 +47,8 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # No public setter bounds groups that already exist (xfuser's) with a new timeout.
     ("torch.distributed.distributed_c10d", "_world"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
+    # The rotater ring attention moves K/V with, created per call: under cocodiff, the exchanger's.
+    (RING_ATTENTION, "_create_rotater"),
     # The CPU flash kernel that returns the log-sum-exp ring attention merges with (tests on CPU).
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
 )

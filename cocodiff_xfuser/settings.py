@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Union
 import torch
 
 from cocodiff_xfuser.comm import compress, faults
-from cocodiff_xfuser.comm.registry import A2A_SETTINGS
+from cocodiff_xfuser.comm.autotune import A2A_SETTINGS
 from cocodiff_xfuser.shipped import CONFIGS
 
 logger = logging.getLogger("cocodiff_xfuser")

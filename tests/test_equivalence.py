@@ -69,6 +69,24 @@ V_MAJOR_EXACT = {
     }
 }
 BACKENDS = ("ulysses", "cocodiff", "cocodiff+vfirst", *V_MAJOR_EXACT)
+#: What the ring attention's K/V exchange counts as (:meth:`cocodiff_xfuser.exchanger.Exchanger.start_ring`).
+RING = "ring all-gather"
+
+
+def _spans_nodes(layout: str) -> bool:
+    ulysses, _, _, topology, _ = LAYOUTS[layout]
+    return ulysses == 4 or topology == "2x1"
+
+
+def _backends(layout: str) -> tuple[str, ...]:
+    """Where the Ulysses groups stay inside a node (Ulysses x Ring and Ulysses x CFG across nodes),
+    TAPA and V-Major have nothing to do (V-Major falls back and says so: tests/tools/test_check.py),
+    and cocodiff there is V-First's processors over the forced flat exchange (and the ring's K/V
+    through cocodiff): stock and that variant only."""
+    return BACKENDS if _spans_nodes(layout) else ("ulysses", "cocodiff+vfirst")
+
+
+VARIANT_CASES = [(model, layout, variant) for model, layout in CASES for variant in _backends(layout)[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +100,7 @@ def generated(tmp_path_factory) -> dict[str, Path]:
         run = Run(model=models[0], ulysses_degree=ulysses, ring_degree=ring, cfg=cfg, topology=topology, seed=SEED,
                   steps=STEPS, extra=flags)
         (out / "variants.json").write_text(json.dumps(V_MAJOR_EXACT))
-        argv = run.argv(BACKENDS, out) + ["--variants", str(out / "variants.json")]
+        argv = run.argv(_backends(layout), out) + ["--variants", str(out / "variants.json")]
         argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in models)
         env = {DEVICE_SEMANTICS_ENV: "1"} if layout in DEVICE_SEMANTICS else {}
         (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, env=env, timeout=900).stderr)
@@ -102,8 +120,7 @@ def _ran(out: Path, model: str, backend: str) -> dict:
     return _result(out, model, backend)["ran"]
 
 
-@pytest.mark.parametrize("variant", BACKENDS[1:])
-@pytest.mark.parametrize("model, layout", CASES)
+@pytest.mark.parametrize("model, layout, variant", VARIANT_CASES)
 def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, variant):
     report = compare(_images(generated[layout], model, "ulysses"), _images(generated[layout], model, variant))
     assert report["bitwise_equal"], report
@@ -113,16 +130,18 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
     assert ran["exchanges"] and "stock" not in ran["exchanges"], ran
     if variant in V_MAJOR_EXACT:
         _assert_v_major_ran(ran, layout)
+        _assert_ring_ran(ran, layout)
         return
     assert ran["fallbacks"] == {}, ran
+    _assert_ring_ran(ran, layout)
     flags = LAYOUTS[layout][4]
-    if "--cocodiff_a2a" in flags:  # the forced exchange ran, and only it
-        assert set(ran["exchanges"]) == {flags[flags.index("--cocodiff_a2a") + 1]}, ran
+    if "--cocodiff_a2a" in flags:  # the forced exchange ran on the Ulysses group, and only it
+        assert set(ran["exchanges"]) - {RING} == {flags[flags.index("--cocodiff_a2a") + 1]}, ran
     if layout in DEVICE_SEMANTICS:  # the mode was on: the audit recorded this rank's launches
         assert _result(generated[layout], model, variant)["launches"][0], layout
     # Lossless: the slow level carries what the exact exchange carries (half of it on 2 nodes).
     assert ran["slow_link_bytes"] == ran["slow_link_bytes_exact"], ran
-    if layout == "u4r1":
+    if layout in ("u4r1", "u2r2"):  # Ulysses' exchange, or the ring's, crosses the nodes
         assert ran["slow_link_bytes"] > 0, ran
     v_exchanges = sum(n for label, n in ran["labels"].items() if label.endswith(".v"))
     if variant == "cocodiff+vfirst":
@@ -136,17 +155,22 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
         assert ran["v_first_calls"] == 4 * 4 * 4, ran
 
 
+def _assert_ring_ran(ran: dict, layout: str) -> None:
+    """With a ring, the ring attention's K/V went through cocodiff's exchange (one per ring attention call)."""
+    if LAYOUTS[layout][1] > 1:
+        assert ran["exchanges"].get(RING, 0) > 0 and ran["labels"].get("ring") == ran["exchanges"][RING], ran
+    else:
+        assert RING not in ran["exchanges"], ran
+
+
 def _assert_v_major_ran(ran: dict, layout: str) -> None:
-    ulysses, _, _, topology, flags = LAYOUTS[layout]
-    if ulysses == 4 or topology == "2x1":  # the Ulysses groups span both nodes
-        sparse = {"v-major two-phase"} if "--cocodiff_a2a" in flags else {"v-major one-phase", "v-major two-phase"}
-        assert set(ran["exchanges"]) & sparse and ran["v_major"]["tokens"] > 0, ran
-        # V's sparse rows rode in Q/K's exchange (one input exchange per layer at a sparse step).
-        assert set(ran["v_major_sparse"]) == {"qk+v", "o"}, ran
-        assert ran["fallbacks"] == {} and ran["v_first_calls"] > 0, ran
-    else:  # the Ulysses groups stay on one node: V-Major has nothing to spare, and says so
-        assert ran["fallbacks"] == {"v-major: no slow level": ran["fallbacks"].get("v-major: no slow level")}, ran
-        assert not any(name.startswith("v-major") for name in ran["exchanges"]), ran
+    """Where the Ulysses groups span both nodes (the only layouts V-Major's variant runs on)."""
+    flags = LAYOUTS[layout][4]
+    sparse = {"v-major two-phase"} if "--cocodiff_a2a" in flags else {"v-major one-phase", "v-major two-phase"}
+    assert set(ran["exchanges"]) & sparse and ran["v_major"]["tokens"] > 0, ran
+    # V's sparse rows rode in Q/K's exchange (one input exchange per layer at a sparse step).
+    assert set(ran["v_major_sparse"]) == {"qk+v", "o"}, ran
+    assert ran["fallbacks"] == {} and ran["v_first_calls"] > 0, ran
 
 
 @pytest.mark.parametrize("model, layout", [case for case in CASES if case[1] not in DEVICE_SEMANTICS])
@@ -165,4 +189,4 @@ def test_where_ulysses_stays_inside_a_node_one_line_says_tapa_and_v_major_have_n
         return
     # Rank 0 says it once per activation (every cocodiff variant and model of the job activates anew).
     assert lines and all("TAPA, V-Major and fp8-slow have nothing to do there" in line for line in lines), lines
-    assert len(lines) <= len(BACKENDS[1:]) * len(_models(layout)), lines
+    assert len(lines) <= len(_backends(layout)[1:]) * len(_models(layout)), lines

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from . import order
+from . import transport
 
 T = TypeVar("T")
 
@@ -25,7 +25,7 @@ class Disagreement(RuntimeError):
 def agree(value: T, what: str, group: Any = None) -> T:
     """``value`` if every rank of ``group`` (default: world) holds the same; else a clear error (collective)."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    order.launched(group, "all_gather_object")
+    transport.launched(group, "all_gather_object")
     dist.all_gather_object(everyone, value, group=group)
     for rank, other in enumerate(everyone):
         if other != everyone[0]:
@@ -41,7 +41,7 @@ def from_first(value: T, group: Any = None) -> T:
     """The first rank's ``value`` of ``group`` (default: world) on every rank (collective)."""
     holder = [value]
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    order.launched(group, "broadcast_object_list")
+    transport.launched(group, "broadcast_object_list")
     dist.broadcast_object_list(holder, src=ranks[0], group=group)
     return holder[0]
 
@@ -49,6 +49,6 @@ def from_first(value: T, group: Any = None) -> T:
 def any_rank(flag: bool, group: Any, device: torch.device) -> bool:
     """True on every rank if ``flag`` is True on any rank of ``group`` (collective, one small all-reduce)."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    order.launched(group, "all_reduce")
+    transport.launched(group, "all_reduce")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())

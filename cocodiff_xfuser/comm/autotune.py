@@ -1,6 +1,11 @@
-"""Choose the all-to-all algorithm per (group, message size), by measuring on first use.
+"""The all-to-all algorithms by name, and the choice among them per (group, message size), measured on first use.
 
-Candidates are the algorithms of :mod:`.registry` that can exchange the message over the group:
+The registry (:class:`Registry`) is the one place that says which algorithm can run, starts it and
+times it. Every algorithm moves the same bytes to the same places (bitwise the output of ``flat``).
+The functions behind an entry refuse an input they cannot exchange instead of substituting another
+algorithm, so what a counter or a decision says ran is what ran.
+
+Candidates are the algorithms of the registry that can exchange the message over the group:
 ``flat`` (stock: ``all_to_all_single`` through functional collectives, what xfuser does),
 ``flat-p2p`` (the same messages as one batch of point-to-point operations, :mod:`.transport`),
 ``flat-pxn`` (the flat exchange routed as NCCL's PXN routes it on rails, :mod:`.pxn`; groups
@@ -48,9 +53,61 @@ import torch.distributed as dist
 
 from .. import commstats
 from . import timing, transport
-from .registry import ALGORITHMS, Registry
+from .flat import AllToAllHandle, flat_all_to_all, p2p_all_to_all, p2p_reason, start_flat_all_to_all, start_p2p_all_to_all
+from .pxn import PxnAllToAll
+from .tapa import HierarchicalAllToAll
 
 logger = logging.getLogger("cocodiff_xfuser")
+
+#: The algorithms, simplest first (on a measured tie the simpler one wins).
+ALGORITHMS = ("flat", "flat-p2p", "flat-pxn", "hierarchical")
+#: Values of the ``a2a`` setting (``--cocodiff-a2a``): measured per message size, or one algorithm.
+A2A_SETTINGS = ("auto", *ALGORITHMS)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One exchange algorithm over a group: equal splits along dim 0 of a tensor."""
+
+    name: str
+    reason: Callable[[torch.Tensor, Any], str | None]  # why it cannot exchange (x, group); None: it can
+    start: Callable[..., AllToAllHandle]  # (x, group), asynchronous, advanced with ``advance``
+    run: Callable[..., torch.Tensor]  # (x, group), blocking; what the autotune measures
+    # ``hierarchical`` also takes ``parts=`` (pipelining, see :mod:`.tapa`).
+
+
+class Registry:
+    """The algorithms available to one process; ``flat-pxn`` and ``hierarchical`` exist where TAPA has plans."""
+
+    def __init__(self, tapa: HierarchicalAllToAll | None = None) -> None:
+        self.tapa = tapa
+        entries = [
+            Algorithm("flat", lambda x, group: None, start_flat_all_to_all, flat_all_to_all),
+            Algorithm("flat-p2p", p2p_reason, start_p2p_all_to_all, p2p_all_to_all),
+        ]
+        if tapa is not None:
+            pxn = PxnAllToAll(tapa)
+            entries.append(Algorithm("flat-pxn", pxn.reason, pxn.start, pxn))
+            entries.append(Algorithm("hierarchical", tapa.reason, tapa.start, tapa))
+        self._entries = {a.name: a for a in entries}
+
+    def __getitem__(self, name: str) -> Algorithm:
+        if name not in ALGORITHMS:
+            raise ValueError(f"unknown all-to-all algorithm {name!r}: expected one of {', '.join(ALGORITHMS)}")
+        if name not in self._entries:
+            raise ValueError(f"all-to-all algorithm {name!r} needs a topology (no plan of levels)")
+        return self._entries[name]
+
+    def reason(self, name: str, x: torch.Tensor, group: Any) -> str | None:
+        """Why ``name`` cannot exchange ``x`` over ``group`` (None: it can)."""
+        if name not in self._entries:
+            return "no topology levels to exchange over" if name in ALGORITHMS else f"unknown algorithm {name!r}"
+        return self._entries[name].reason(x, group)
+
+    def eligible(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
+        """The algorithms that can exchange ``x`` over ``group``, simplest first (the same on every rank)."""
+        return tuple(name for name in ALGORITHMS if self.reason(name, x, group) is None)
+
 
 #: Parts a pipelined hierarchical exchange is measured with (1 is the plain one).
 PIPELINE_PARTS = (2, 4)

@@ -6,7 +6,7 @@ group rank s at position s. ``flat`` is that exchange through functional collect
 xfuser does); ``flat-p2p`` produces bitwise the same output as one batch of point-to-point
 operations (:mod:`.transport`), which is what NCCL's own all-to-all is made of: the fair flat
 reference on every backend (on gloo, stock ``flat`` pays an artefact of gloo's posting order that
-NCCL does not have; see :mod:`.transport`). Which algorithm runs is decided in :mod:`.registry`
+NCCL does not have; see :mod:`.transport`). Which algorithm runs is decided in :mod:`.autotune`
 only: the functions here refuse what they cannot do instead of substituting another algorithm.
 """
 
@@ -18,24 +18,16 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
-from . import order, transport
+from . import transport
 
 _FUNCTIONAL = "torch.distributed._functional_collectives"
-
-# gloo (and NCCL before torch 2.11) reject float8 collectives; the exchange is pure data
-# movement, so a same-width integer view is exact.
-_FP8_DTYPES = {
-    getattr(torch, name)
-    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, name)
-}
 
 
 class AllToAllHandle(Protocol):
     def advance(self) -> bool:
         """Launch the next phase: wait for its inputs (on NCCL/XCCL a wait of the stream, which
         does not block the host), then post it. Called at points of the program that are the same
-        on every rank (:mod:`.order`). Returns True once every phase has been launched."""
+        on every rank (one program order, :mod:`.transport`). Returns True once every phase has been launched."""
 
     def wait(self) -> torch.Tensor:
         """Block until the exchange is complete and return its output (same shape as input)."""
@@ -44,11 +36,6 @@ class AllToAllHandle(Protocol):
 def wait_collective(t: torch.Tensor) -> torch.Tensor:
     # Under tracing functional collectives return plain tensors with the wait already inserted.
     return t.wait() if isinstance(t, compat.torch_private(_FUNCTIONAL, "AsyncCollectiveTensor")) else t
-
-
-def comm_view(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    return x.view(torch.uint8) if x.dtype in _FP8_DTYPES else x
 
 
 class FlatHandle:
@@ -62,9 +49,9 @@ class FlatHandle:
         input_split_sizes: list[int] | None = None,
     ) -> None:
         self._dtype = x.dtype
-        order.launched(group, "all_to_all_single")
+        transport.launched(group, "all_to_all_single")
         all_to_all_single = compat.torch_private(_FUNCTIONAL, "all_to_all_single")
-        self._out: torch.Tensor = all_to_all_single(comm_view(x), output_split_sizes, input_split_sizes, group)
+        self._out: torch.Tensor = all_to_all_single(transport.comm_view(x), output_split_sizes, input_split_sizes, group)
         self._done = False
 
     def advance(self) -> bool:
@@ -107,7 +94,7 @@ class P2PHandle:
 
     def __init__(self, x: torch.Tensor, group: Any) -> None:
         self._dtype = x.dtype
-        inp = comm_view(x)
+        inp = transport.comm_view(x)
         self._out = torch.empty_like(inp)
         self._done = transport.exchange_chunks(self._out.view(-1), inp.view(-1), group, "flat-p2p")
         self._result: torch.Tensor | None = None

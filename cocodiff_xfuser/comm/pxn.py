@@ -19,7 +19,7 @@ local (the two-level plan of :class:`.tapa.HierarchicalAllToAll`, whose sub-grou
 * same rail (i == j): direct, over rail i;
 * otherwise: to (a, j) over the fast level, which forwards it to (b, j) over rail j.
 
-Batches, in one program order (:mod:`.order`): at start, over the rails the same-rail chunks; over
+Batches, in one program order (:mod:`.transport`): at start, over the rails the same-rail chunks; over
 the fast level the chunks to relay, then the chunks for this node (so a relay waits for the former
 only); in ``advance``, once the chunks to relay are in, over the rails the relayed chunks. Every
 chunk is sent and received in place; the only local copy is the own chunk.
@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 
 from . import transport
-from .flat import comm_view
 from .tapa import GroupPlan, HierarchicalAllToAll
 
 
@@ -59,7 +58,7 @@ class PxnHandle:
         self._plan = plan
         self._shape, self._dtype = x.shape, x.dtype
         nodes, local = plan.levels
-        src = comm_view(x).view(nodes, local, -1)  # [destination node, destination local, c]
+        src = transport.comm_view(x).view(nodes, local, -1)  # [destination node, destination local, c]
         self._out = src.new_empty(src.shape)  # [source node, source local, c]
         # What local peers relay through this rank, for the nodes on its rail: [destination node, source local, c].
         self._relay = src.new_empty(src.shape)

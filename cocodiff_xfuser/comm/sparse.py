@@ -15,7 +15,7 @@ what travels with them:
 the group sends is sized by the :class:`Selection`'s counts, which every rank knows before the
 exchange: from the settings and the step where the policy fixes the count (nothing to agree, no
 host synchronization), or from one all-gather of the counts (:func:`agree_counts`) where it does
-not. Either way every rank launches the same batches (the rule of :mod:`.order`).
+not. Either way every rank launches the same batches (the rule of one program order, :mod:`.transport`).
 
 Two routings, like the exact exchange:
 
@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import flat, order, residuals, subgroups, transport
+from . import flat, residuals, subgroups, transport
 from .topology import Topology
 
 #: Rows for destination ``j`` at ``rows[j]`` (``[P, k_j, d]``): a ``[W, P, k, d]`` tensor, or a
@@ -137,7 +137,7 @@ def agree_counts(active: torch.Tensor, group: Any) -> Selection:
     world = dist.get_world_size(group)
     mine = torch.tensor([active.numel()], dtype=torch.int64, device=active.device)
     counts = torch.empty(world, dtype=torch.int64, device=active.device)
-    order.launched(group, "all_gather_into_tensor")
+    transport.launched(group, "all_gather_into_tensor")
     dist.all_gather_into_tensor(counts, mine, group=group)
     return Selection(active, tuple(counts.tolist()))
 

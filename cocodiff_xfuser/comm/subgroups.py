@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from . import faults, order, transport
+from . import faults, transport
 
 _created: dict[tuple[int, ...], Any] = {}
 
@@ -33,7 +33,7 @@ def member_of(rank_sets: Sequence[Sequence[int]]) -> Any:
         if rank in key:
             mine = _created[key]
     if new:
-        order.launched(mine, "barrier (first use)")
+        transport.launched(mine, "barrier (first use)")
         dist.barrier(group=mine)
     return mine
 

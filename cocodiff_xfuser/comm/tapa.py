@@ -15,7 +15,7 @@ code on gloo, NCCL and XCCL), in one of two strategies:
   The chunks whose destination differs only in the outermost coordinate go there directly at
   start, overlapping the inner phases.
 
-Program order (:mod:`.order`). A handle posts its first batches at start, the next phase in
+Program order (:mod:`.transport`). A handle posts its first batches at start, the next phase in
 ``advance`` and the rest in ``wait``, always at the same point of the program on every rank;
 ``advance`` first waits for the phase's inputs (on NCCL/XCCL a stream wait, which does not block
 the host). Nothing is posted because something completed, so messages match by issue order alone.
@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from .. import commstats
 from . import subgroups, transport
-from .flat import comm_view
 from .topology import Topology, level_subgroups, restrict
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -114,7 +113,7 @@ def _post_level(
 
 def _readable(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the exchange reads it: contiguous, or a part's ``[W, c]`` view with contiguous rows."""
-    return comm_view(x) if x.dim() != 2 or x.is_contiguous() else x
+    return transport.comm_view(x) if x.dim() != 2 or x.is_contiguous() else x
 
 
 class HierarchicalHandle:
@@ -317,7 +316,7 @@ class PipelinedHandle:
 
     def __init__(self, x: torch.Tensor, parts: int, start: Callable[..., Any], world: int) -> None:
         self._shape, self._dtype = x.shape, x.dtype
-        data = comm_view(x).view(world, parts, -1)
+        data = transport.comm_view(x).view(world, parts, -1)
         self._out = torch.empty_like(data)
         self._parts = [start(data[:, p], out=self._out[:, p]) for p in range(parts)]
         self._result: torch.Tensor | None = None

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..platform import detect
-from . import order
+from . import transport
 
 
 def now(device: torch.device) -> float:
@@ -43,7 +43,7 @@ def slowest(samples: Sequence[float], group: Any, device: torch.device) -> list[
     """Each of ``samples`` (seconds on this rank) as the slowest rank of ``group`` measured it
     (collective: one all-reduce, on ``device``, as NCCL and XCCL need device tensors)."""
     times = torch.tensor(list(samples), dtype=torch.float64, device=device)
-    order.launched(group, "all_reduce")
+    transport.launched(group, "all_reduce")
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return times.tolist()
 
@@ -69,7 +69,7 @@ def paired(
         k = rep % len(names)
         rotated = names[k:] + names[:k]
         for name in rotated if rep % 2 else rotated[::-1]:
-            order.launched(group, "barrier")
+            transport.launched(group, "barrier")
             dist.barrier(group=group)
             seconds = elapsed(ops[name], device, burst)
             if rep >= warmup:

@@ -251,11 +251,11 @@ def detect_from_environment(group: Any = None) -> Topology:
     """Collective: detect the topology of ``group`` (default: world) from hostnames and env."""
     import torch.distributed as dist
 
-    from . import order
+    from . import transport
 
     world_size = dist.get_world_size(group)
     hostnames: list[Any] = [None] * world_size
-    order.launched(group, "all_gather_object")
+    transport.launched(group, "all_gather_object")
     dist.all_gather_object(hostnames, socket.gethostname(), group=group)
     local = os.environ.get("LOCAL_WORLD_SIZE")
     return Topology.detect(world_size, hostnames, int(local) if local else None, xpu_tiles_per_gpu())

@@ -22,9 +22,9 @@ Peers are visited staggered (receive from me-1, me-2, ...; send to me+1, me+2, .
 not all target the same peer first. Zero-size pieces are left out on both sides (both know the sizes).
 
 No tags. NCCL ignores them and matches a pair's messages on one communicator by issue order, so
-every batch uses the same tag and correctness rests on the issue order alone, which the rule of
-:mod:`.order` makes the same on every rank: batches are posted only at points of the program (an
-exchange's start, ``advance``, ``wait``), never because something completed.
+every batch uses the same tag and correctness rests on the issue order alone, which the rule below
+makes the same on every rank: batches are posted only at points of the program (an exchange's
+start, ``advance``, ``wait``), never because something completed.
 
 Waiting (:meth:`Completion.wait`) is the other per-backend difference: on gloo it blocks the host
 with the job's timeout, and a failure ends the rank with the one-line fault message
@@ -32,6 +32,15 @@ with the job's timeout, and a failure ends the rank with the one-line fault mess
 argument would turn it into a host-side busy wait, torch's ``WorkNCCL::synchronizeInternal``), and
 the group's own timeout, set when cocodiff creates it, bounds the operation: there the backend's
 watchdog ends a stalled job, with its own message.
+
+One program order. NCCL and XCCL need every rank to submit the operations of every communicator in
+one consistent order, or ranks can deadlock, and NCCL matches a pair's messages by issue order. So
+every exchange launches its operations at points of the program that are the same on every rank
+(SPMD model code): at ``start``, in ``advance`` and in ``wait``; nothing is ever launched because a
+local operation happened to complete first, on any backend. Every collective cocodiff submits, here
+or elsewhere, is recorded with :func:`launched`: the audit (``COCODIFF_ORDER_AUDIT=1``, and on under
+device semantics) keeps each rank's launches as ``(communicator role, operation)``, and a
+distributed test asserts that the sequences agree across ranks.
 
 The fair flat exchange (:func:`fair_flat`) is the third: the flat exchange whose time the autotune
 must never exceed. On NCCL and XCCL it is the backend's own all-to-all (stock's ``flat``); on gloo
@@ -41,8 +50,8 @@ artefact above, which NCCL's all-to-all does not.
 Device semantics (``COCODIFF_DEVICE_SEMANTICS=1``): gloo runs what a device backend would. Batches
 take XCCL's order and run as oneCCL replays them: operation by operation, each receive completing
 before the next operation is posted, so an exchange whose batches only work in gloo's order hangs
-(and times out with the one-line fault message) instead of passing; the order audit of
-:mod:`.order` is on. The CPU stand-in for NCCL's and XCCL's rules until multi-GPU tests can run.
+(and times out with the one-line fault message) instead of passing; the order audit (below)
+is on. The CPU stand-in for NCCL's and XCCL's rules until multi-GPU tests can run.
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from .. import commstats
-from . import faults, order
+from . import faults
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -71,6 +80,47 @@ _device_semantics = os.environ.get(DEVICE_SEMANTICS_ENV, "") not in ("", "0")
 _backend_cache: dict[tuple[Any, str], str] = {}
 _group_cache: dict[Any, tuple[int, int]] = {}
 _ranks_cache: dict[Any, tuple[int, ...]] = {}
+
+
+# gloo (and NCCL before torch 2.11) reject float8 collectives; the exchange is pure data
+# movement, so a same-width integer view is exact.
+_FP8_DTYPES = {
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name)
+}
+
+
+def comm_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous, as the bytes a backend can send (fp8 as uint8)."""
+    x = x.contiguous()
+    return x.view(torch.uint8) if x.dtype in _FP8_DTYPES else x
+
+
+AUDIT_ENV = "COCODIFF_ORDER_AUDIT"
+_launches: list[tuple[str, str]] | None = [] if any(
+    os.environ.get(v, "") not in ("", "0") for v in (AUDIT_ENV, DEVICE_SEMANTICS_ENV)
+) else None
+
+
+def auditing() -> bool:
+    return _launches is not None
+
+
+def launched(group: Any, op: str, role: str | None = None) -> None:
+    """Record that this rank launched ``op`` on ``group`` (no-op outside an audit).
+
+    ``role`` names the communicator the same way on every rank (``"level 1 of (2, 2)"``); by
+    default the group's size, since a rank only sees the groups it belongs to.
+    """
+    if _launches is not None:
+        size = dist.get_world_size(group if group is not None else dist.group.WORLD)
+        _launches.append((role or f"group of {size}", op))
+
+
+def launches() -> list[tuple[str, str]]:
+    """This rank's launches so far (empty outside an audit)."""
+    return list(_launches or [])
 
 
 def forget_groups() -> None:
@@ -144,7 +194,7 @@ def post(
     me, world = group_info(group)
     recvs = [(src, p) for i in range(1, world) for src in [(me - i) % world] for p in recv[src] if p.numel()]
     sends = [(dst, p) for i in range(1, world) for dst in [(me + i) % world] for p in send[dst] if p.numel()]
-    order.launched(group, what, role=role)
+    launched(group, what, role=role)
     where = f"{what} ({role or f'group of {world}'})"
     device = next((p.device for _, p in recvs + sends), None)
     if device is None:

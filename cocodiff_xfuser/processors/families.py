@@ -1,8 +1,8 @@
 """Which V-First processor replaces which of xfuser's, per model family, and their installation.
 
 ``install`` swaps xfuser's processor of each attention module for ours where a family module
-provides one; other processors stay stock, which is always correct because every exchange
-still goes through the backend.
+provides one, and gives each of ours the job's exchanger; other processors stay stock, which is
+always correct because every exchange still goes through the exchanger.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from cocodiff_xfuser import backend
+from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import policy
 from cocodiff_xfuser.processors import flux, flux2, hunyuan_video, pixart, qwen_image, sd3, wan
@@ -79,12 +79,13 @@ def _unused_processors(transformer: torch.nn.Module) -> set[int]:
     return {id(m.module) for m in transformer.modules() if isinstance(m, xFuserLayerBaseWrapper)}
 
 
-def install(transformer: torch.nn.Module, v_major: VMajorSettings | None = None) -> int:
+def install(transformer: torch.nn.Module, exchanger: Exchanger, v_major: VMajorSettings | None = None) -> int:
     """Swap processors in ``transformer``; returns how many V-First processors it now has.
 
     Each V-First processor keeps the stock processor it replaces (with its settings) and
-    delegates to it for whatever it does not reproduce. With ``v_major``, each also gets its
-    layer's V-Major state, on one step clock per transformer. Installing twice is harmless.
+    delegates to it for whatever it does not reproduce; its exchanges go through ``exchanger``.
+    With ``v_major``, each also gets its layer's V-Major state, on one step clock per transformer.
+    Installing again (a new job's exchanger) hands the processors the new exchanger.
     """
     table = replacements()
     ours = tuple(table.values())
@@ -96,6 +97,7 @@ def install(transformer: torch.nn.Module, v_major: VMajorSettings | None = None)
         if processor is None or id(module) in unused:
             continue
         if isinstance(processor, ours):
+            processor.exchanger = exchanger
             installed += 1
             continue
         name = type(processor).__name__
@@ -106,20 +108,20 @@ def install(transformer: torch.nn.Module, v_major: VMajorSettings | None = None)
         if not getattr(replacement, "accepts", lambda _: True)(processor):
             continue  # no Ulysses exchange in this module (e.g. Wan's cross-attention)
         module.processor = replacement(processor)
+        module.processor.exchanger = exchanger
         installed += 1
     if v_major is not None:
-        _attach_v_major(transformer, v_major)
+        _attach_v_major(transformer, exchanger, v_major)
     logger.info("cocodiff: V-First processors installed in %d attention modules", installed)
     if kept:
         logger.warning("cocodiff: no V-First processor for %s; stock processor kept", ", ".join(sorted(kept)))
     return installed
 
 
-def _attach_v_major(transformer: torch.nn.Module, settings: VMajorSettings) -> None:
+def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings: VMajorSettings) -> None:
     clock = transformer.__dict__.get("_cocodiff_clock")
     if clock is None:
-        active = backend.active()
-        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, None if active is None else active.group, settings)
+        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, exchanger.group, settings)
     ours = tuple(replacements().values())
     for module in transformer.modules():
         processor = getattr(module, "processor", None)

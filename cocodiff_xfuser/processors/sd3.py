@@ -60,7 +60,7 @@ class SD3VFirstProcessor(ulysses.VFirst):
         ) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         if encoder_hidden_states is None:
-            return _image_only_v_first(attn, hidden_states, self.v_major)
+            return _image_only_v_first(self, attn, hidden_states)
         from xfuser.core.distributed import get_runtime_state
 
         _joint_sp_padding_attention_kwargs = compat.private(
@@ -73,7 +73,7 @@ class SD3VFirstProcessor(ulysses.VFirst):
         encoder_value = _heads(attn, attn.add_v_proj(encoder_hidden_states), head_dim)
         if split_text:
             value = torch.cat([value, encoder_value], dim=1)
-        pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="sd3.joint.v", layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self.exchanger, value.transpose(1, 2), label="sd3.joint.v", layer=self.v_major)
 
         query = _heads(attn, attn.to_q(hidden_states), head_dim)
         key = _heads(attn, attn.to_k(hidden_states), head_dim)
@@ -105,12 +105,12 @@ class SD3VFirstProcessor(ulysses.VFirst):
         return attn.to_out[1](attn.to_out[0](out)), encoder_out
 
 
-def _image_only_v_first(attn, hidden_states: torch.Tensor, layer: ulysses.policy.Layer | None) -> torch.Tensor:
-    """:func:`image_only_joint_attention` (SD3.5's ``attn2``), V-First."""
+def _image_only_v_first(processor: ulysses.VFirst, attn, hidden_states: torch.Tensor) -> torch.Tensor:
+    """:func:`image_only_joint_attention` (SD3.5's ``attn2``), V-First (with ``processor``'s exchanger and V-Major layer)."""
     batch = hidden_states.shape[0]
     head_dim = attn.to_k.out_features // attn.heads
     value = attn.to_v(hidden_states).view(batch, -1, attn.heads, head_dim)
-    pending_v = ulysses.start_input_exchange(value.transpose(1, 2), label="sd3.image.v", layer=layer)
+    pending_v = ulysses.start_input_exchange(processor.exchanger, value.transpose(1, 2), label="sd3.image.v", layer=processor.v_major)
     query = attn.to_q(hidden_states).view(batch, -1, attn.heads, head_dim)
     key = attn.to_k(hidden_states).view(batch, -1, attn.heads, head_dim)
     query, key = ulysses.norm_qk(attn, query, key)

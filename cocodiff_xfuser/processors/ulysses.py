@@ -20,10 +20,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import backend, commstats, compat, padding
-from cocodiff_xfuser.comm import layout as comm_layout, timing
+from cocodiff_xfuser import commstats, compat, padding
+from cocodiff_xfuser.comm import timing
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
+from cocodiff_xfuser.exchanger import Exchanger, heads, sequence
 from cocodiff_xfuser.vmajor import policy
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -31,8 +32,11 @@ _warned: set[str] = set()
 
 
 class VFirst:
-    """Base of the V-First processors: ``v_major`` is the layer's V-Major state, when it is on."""
+    """Base of the V-First processors: ``exchanger`` is the job's (given at installation; without
+    one, or once it is closed, every call takes the stock path), ``v_major`` the layer's V-Major
+    state, when it is on."""
 
+    exchanger: Exchanger | None = None
     v_major: policy.Layer | None = None
 
 
@@ -48,21 +52,22 @@ class PendingExchange:
 
     def __init__(
         self,
+        exchanger: Exchanger,
         tensors: tuple[torch.Tensor, ...],
         label: str,
         layer: policy.Layer | None = None,
         v_major: policy.Step | None = None,
         carrying: PendingExchange | None = None,
     ) -> None:
-        active = backend.active()
-        world = active.world_size
-        heads = tensors[0].shape[1]
+        self.exchanger = exchanger
+        world = exchanger.world_size
+        head_count = tensors[0].shape[1]
         tensors = tuple(padding.pad_heads(t, world) for t in tensors)
         b, h, s, d = tensors[0].shape
         self._n = len(tensors)
         self._label = label
         self._nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        padding.count(self._nbytes, heads, h)
+        padding.count(self._nbytes, head_count, h)
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
         self._name = "v" if layer is not None else "qk"
@@ -71,9 +76,9 @@ class PendingExchange:
         self._riding: tuple[torch.Tensor, torch.Tensor] | None = None
         self._carried = False
         self._exchanged = None
-        if v_major is None and (layer is None or active.slow_level is None or layer.stopped()):
+        if v_major is None and (layer is None or exchanger.slow_level is None or layer.stopped()):
             # Exact: the head blocks are written once, in the order the chosen exchange sends.
-            self._handle = active.start_heads(tensors, label)
+            self._handle = exchanger.start_heads(tensors, label)
             if carrying is not None:
                 carrying.start_alone()
         else:
@@ -85,7 +90,7 @@ class PendingExchange:
             elif carrying is not None:
                 carrying.start_alone()
             # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
-            stacked = comm_layout.heads(tensors, (world,), (0,))
+            stacked = heads(tensors, (world,), (0,))
             if layer is not None:
                 bookkeeping = time.perf_counter()
                 v_major = layer.begin(stacked)
@@ -93,8 +98,8 @@ class PendingExchange:
                 if v_major.v_rides:
                     self.v_major, self._riding, self._handle, self._calibration = v_major, (stacked, tensors[0]), None, False
                     return
-            self._covered = _Covered.start(names, stacked, label, v_major)
-            self._handle = active.start(stacked, label) if self._covered is None else self._covered.handle
+            self._covered = _Covered.start(exchanger, names, stacked, label, v_major)
+            self._handle = exchanger.start(stacked, label) if self._covered is None else self._covered.handle
             if len(names) == 2:
                 carrying._carried_by(self._covered)
         self.v_major = None if self._covered is None else v_major
@@ -114,7 +119,7 @@ class PendingExchange:
         """Start V's exchange where it waited to ride with Q/K's and they cannot carry it."""
         if self._riding is not None:
             (stacked, _), self._riding = self._riding, None
-            self._covered = _Covered.start(("v",), stacked, self._label, self.v_major)
+            self._covered = _Covered.start(self.exchanger, ("v",), stacked, self._label, self.v_major)
             self._handle = self._covered.handle
 
     def _result(self) -> torch.Tensor:
@@ -132,7 +137,7 @@ class PendingExchange:
         if commstats.enabled() and not self._carried:  # a carried V's bytes and time are Q/K's
             finished = timing.now(exchanged.device)
             commstats.record_async(self._label, self._nbytes, self._started, waited, finished, self._calibration)
-        return comm_layout.sequence(exchanged.reshape(self._stacked_shape), self._n)
+        return sequence(exchanged.reshape(self._stacked_shape), self._n)
 
 
 class _Covered:
@@ -142,14 +147,15 @@ class _Covered:
     the layer's cache of its previous result, which its result becomes."""
 
     @classmethod
-    def start(cls, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step | None) -> _Covered | None:
+    def start(
+        cls, exchanger: Exchanger, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step | None
+    ) -> _Covered | None:
         """The exchange started, or None where ``step`` does not cover it (the caller's exact exchange)."""
         if step is None or not all(step.covers(name, stacked) for name in names):
             return None
-        return cls(names, stacked, label, step)
+        return cls(exchanger, names, stacked, label, step)
 
-    def __init__(self, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step) -> None:
-        active = backend.active()
+    def __init__(self, exchanger: Exchanger, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step) -> None:
         self._step = step
         self._names = names
         self._results: dict[str, torch.Tensor] | None = None
@@ -158,19 +164,19 @@ class _Covered:
         if step.active is None:
             step.rows(names, stacked)
             commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-            self.handle = active.start(stacked, label)
+            self.handle = exchanger.start(stacked, label)
             return
-        world, n, b, heads, s, d = stacked.shape
+        world, n, b, local_heads, s, d = stacked.shape
         rows, residual = step.rows(names, stacked)
         commstats.count_v_major_time(time.perf_counter() - bookkeeping)
         commstats.count_v_major_sparse("+".join(names))
-        planes = n * b * heads  # [W, n, b, h/W, s, d] as [W, planes, s, d]
+        planes = n * b * local_heads  # [W, n, b, h/W, s, d] as [W, planes, s, d]
         if names == ("o",):  # the receivers' tokens, a different number per receiver where counts are agreed
             rows = {j: r.reshape(planes, r.shape[3], d) for j, r in rows.items()}
         else:
             rows = rows.view(world, planes, rows.shape[4], d)
         received = step.caches.received[names[0]] if len(names) == 1 else step.caches.joined("received", names)
-        self.handle = active.start_sparse(
+        self.handle = exchanger.start_sparse(
             stacked.view(world, planes, s, d), rows, step.selection, received.reshape(world, planes, s, d), label, residual,
             by_receiver=names == ("o",), learn_peers="v" in names,
         )
@@ -191,18 +197,19 @@ class _Covered:
 
 
 def start_input_exchange(
+    exchanger: Exchanger,
     *tensors: torch.Tensor,
     label: str = "qk",
     layer: policy.Layer | None = None,
     v_major: policy.Step | None = None,
     carrying: PendingExchange | None = None,
 ) -> PendingExchange:
-    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors, asynchronously.
+    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors through ``exchanger``, asynchronously.
 
     ``layer``: V's exchange of a layer under V-Major; ``v_major``: Q/K's, following V's decision;
     ``carrying``: V's exchange, which rides with these where it waits to (else it starts now).
     """
-    return PendingExchange(tensors, label, layer, v_major, carrying)
+    return PendingExchange(exchanger, tensors, label, layer, v_major, carrying)
 
 
 def attention(
@@ -228,7 +235,8 @@ def attention(
     from xfuser.model_executor.layers.usp import ring_attn
 
     value.advance()
-    heads, world = query.shape[1], backend.active().world_size
+    exchanger = value.exchanger
+    head_count, world = query.shape[1], exchanger.world_size
     joint_attn_kwargs = None
     if joint_strategy:
         query = compat.usp("_concat_joint_tensor")(query, joint_query, joint_strategy, dim=2)
@@ -243,10 +251,10 @@ def attention(
             "total_steps": get_ring_parallel_world_size(),
         }
     if query.shape == key.shape:
-        query, key = start_input_exchange(query, key, v_major=value.v_major, carrying=value).wait()
+        query, key = start_input_exchange(exchanger, query, key, v_major=value.v_major, carrying=value).wait()
     else:  # the query carries the joint tokens: two exchanges, both in flight together
         value.start_alone()
-        pending_q, pending_k = start_input_exchange(query, label="q"), start_input_exchange(key, label="k")
+        pending_q, pending_k = start_input_exchange(exchanger, query, label="q"), start_input_exchange(exchanger, key, label="k")
         (query,), (key,) = pending_q.wait(), pending_k.wait()
     v_major = value.v_major
     (value,) = value.wait()
@@ -258,27 +266,26 @@ def attention(
         out, _ = attention_function(query, key, value, **kwargs)
     else:
         out = ring_attn(attention_function, query, key, value, **kwargs)
-    padding.count(out.numel() * out.element_size(), heads, out.shape[1] * world)
-    return output_exchange(out, v_major)[:, :heads]
+    padding.count(out.numel() * out.element_size(), head_count, out.shape[1] * world)
+    return output_exchange(exchanger, out, v_major)[:, :head_count]
 
 
-def output_exchange(out: torch.Tensor, v_major: policy.Step | None = None) -> torch.Tensor:
+def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Step | None = None) -> torch.Tensor:
     """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``.
 
-    The layout changes of xfuser's ``_ft_c_output_all_to_all``; the exchange goes to the backend
-    directly, like the input exchanges. Under V-Major's scope qkvo, the layer's decision
+    The layout changes of xfuser's ``_ft_c_output_all_to_all``; the exchange goes to
+    ``exchanger`` directly, like the input exchanges. Under V-Major's scope qkvo, the layer's decision
     ``v_major`` covers it: rows are then destination-major ``[W, 1, b, h/W, s, d]``.
     """
-    active = backend.active()
-    world = active.world_size
+    world = exchanger.world_size
     b, h, s, d = out.shape
     if v_major is not None:
         stacked = out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
-        covered = _Covered.start(("o",), stacked, "out", v_major)
+        covered = _Covered.start(exchanger, ("o",), stacked, "out", v_major)
         if covered is not None:
             exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
             return exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d)
-    exchanged = commstats.timed_exchange(lambda t: active.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
+    exchanged = commstats.timed_exchange(lambda t: exchanger.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
     return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)
 
 
@@ -303,8 +310,8 @@ def fallback_reason(
     """
     from xfuser.core.distributed import get_ulysses_parallel_world_size
 
-    active = backend.active()
-    if active is None or get_ulysses_parallel_world_size() == 1:
+    exchanger = getattr(processor, "exchanger", None)
+    if exchanger is None or exchanger.closed or get_ulysses_parallel_world_size() == 1:
         return _counted("no Ulysses exchange")
     local = _local_reason(extra)
     # Kept on the processor: (input shapes, local reason) -> the agreed reason (None: V-First runs).
@@ -312,7 +319,7 @@ def fallback_reason(
     key = (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs), local)
     if key not in agreed:
         device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
-        anyone = any_rank(local is not None, active.group, device)
+        anyone = any_rank(local is not None, exchanger.group, device)
         agreed[key] = local if local is not None or not anyone else "a fall-back on another rank"
     return _counted(agreed[key])
 

@@ -63,10 +63,10 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     from xfuser.runner import xFuserModelRunner
 
     from cocodiff_xfuser import commstats
-    from cocodiff_xfuser.comm import order
+    from cocodiff_xfuser.comm import transport
 
     commstats.reset_ran()
-    launched_before = len(order.launches())
+    launched_before = len(transport.launches())
     runner = xFuserModelRunner(args)
     input_args = runner.preprocess_args(args)
     input_args["output_type"] = "np"
@@ -84,7 +84,7 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
         output, timings, comm = _timed_runs(runner, input_args, repeat, sync_dir, on_call)
         images = list(output.images)
     ran = commstats.sum_ran(gather(commstats.ran()))
-    launches = gather(order.launches()[launched_before:])
+    launches = gather(transport.launches()[launched_before:])
     return {"runner": runner, "input_args": input_args, "images": images, "timings": timings, "comm": comm,
             "ran": ran, "launches": launches}
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [b for b in backends if b not in variants]
     if unknown:
         raise SystemExit(f"unknown backend variant(s) {unknown}; choose from {sorted(variants)}")
-    from cocodiff_xfuser.comm import order
+    from cocodiff_xfuser.comm import transport
 
     cases = json.loads(mine.cases.read_text()) if mine.cases else [[base["prompt"], base["seed"]]]
     if mine.repeat and len(cases) > 1:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             if is_last_process():
                 path = output_dir(mine.out, model, backend)
                 _save(path, done["images"], done["timings"], done["input_args"], done["comm"], mine.save_png,
-                      done["ran"], done["launches"] if order.auditing() else None, cases)
+                      done["ran"], done["launches"] if transport.auditing() else None, cases)
     if runner is not None:
         runner.cleanup()
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import order, timing
+from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.settings import VMajorSettings
 from cocodiff_xfuser.vmajor.state import Budget
 
@@ -156,7 +156,7 @@ class Clock:
         needed = torch.zeros(self.layers, dtype=torch.float32, device=device).index_reduce_(
             0, torch.tensor(layers, device=device), torch.stack(shares).float(), "amax")
         group = self.agreement_group()
-        order.launched(group, "all_reduce")
+        transport.launched(group, "all_reduce")
         work = dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
         self._agreeing, self.needed = (work, needed), []
 

@@ -1,16 +1,17 @@
-"""Wiring of the backend into xfuser: activation with the process groups, every Ulysses exchange
-routed to it, per model a fall-back to stock or the V-First processors, and external models."""
+"""Wiring of cocodiff into xfuser: the job's exchanger started with the process groups, every
+Ulysses exchange routed to it, per model a fall-back to stock or the V-First processors, and external models."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import types
 
-from cocodiff_xfuser import backend, commstats, compat, padding
+from cocodiff_xfuser import commstats, compat, padding
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
-from cocodiff_xfuser.xfuser import fault_policy, flags, padded
+from cocodiff_xfuser.xfuser import fault_policy, flags, job, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -32,30 +33,34 @@ def _activating_backend(original):
             # under tensor parallelism.
             logger.warning("cocodiff: tensor parallelism is not supported; falling back to stock Ulysses")
             commstats.count_fallback("model: tensor parallelism")
-            backend.deactivate()
+            job.end()
         elif name == "cocodiff":
             from xfuser.core.distributed import get_sp_group
 
             try:
                 options = flags.options(config)
                 fault_policy.install(options.timeout_s)
-                backend.activate(get_sp_group().ulysses_group, options)
+                ring = get_sp_group().ring_group if parallel_config.ring_degree > 1 else None
+                if ring is not None and _ring_unrouted is not None:
+                    logger.warning("cocodiff: %s; the ring attention's K/V exchange as stock", _ring_unrouted)
+                    ring = None
+                job.start(get_sp_group().ulysses_group, options, ring)
             except (ValueError, Disagreement) as e:
                 fault_policy.end_job(str(e))
         else:
-            backend.deactivate()
+            job.end()
 
     return _check_distributed_env
 
 
 def release() -> None:
     """Let go of cocodiff's process groups before xfuser destroys its own (collective: every user
-    job ends in xfuser's clean-up on every rank): the active backend, its decisions written as they
+    job ends in xfuser's clean-up on every rank): the job's exchanger, its decisions written as they
     would be at exit, and the sub-groups (:func:`subgroups.release`)."""
-    active = backend.active()
-    if active is not None:
-        active.save_decisions()
-        backend.deactivate()
+    exchanger = job.exchanger()
+    if exchanger is not None:
+        exchanger.save_decisions()
+        job.end()
     subgroups.release()
 
 
@@ -74,11 +79,11 @@ def patch_runtime_state(rs: types.ModuleType) -> None:
 
 def _routed_all_to_all(original):
     def _sdpa_all_to_all_single(x):
-        active = backend.active()
-        if active is None:
+        exchanger = job.exchanger()
+        if exchanger is None:
             commstats.count_exchange("stock", "usp")
             return commstats.timed_exchange(original, x)
-        return commstats.timed_exchange(active.all_to_all, x)
+        return commstats.timed_exchange(exchanger.all_to_all, x)
 
     return _sdpa_all_to_all_single
 
@@ -88,20 +93,47 @@ def route_all_to_all(usp: types.ModuleType) -> None:
     compat.wrap(usp, "_sdpa_all_to_all_single", _routed_all_to_all)
 
 
+# Why the ring's K/V cannot go through cocodiff in this process (None: they do, under cocodiff).
+_ring_unrouted: str | None = None
+
+
+def _routed_rotater(original):
+    def _create_rotater(pg, seq_dim, method=None):
+        exchanger = job.exchanger()
+        if exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group:
+            return original(pg, seq_dim, method)
+        return exchanger.ring_rotater(pg)
+
+    return _create_rotater
+
+
+def route_ring_exchange() -> None:
+    """xfuser's ring attention (torch's ``_templated_ring_attention`` on the ring group) moves K/V
+    through a rotater torch creates per call; under cocodiff, the ring group's is the exchanger's.
+    A torch without that hook keeps its own rotater (said once, when a job with a ring starts)."""
+    global _ring_unrouted
+    try:
+        compat.torch_private(compat.RING_ATTENTION, "_create_rotater")
+    except compat.IncompatibleTorch as e:
+        _ring_unrouted = str(e)
+        return
+    compat.wrap(importlib.import_module(compat.RING_ATTENTION), "_create_rotater", _routed_rotater)
+
+
 def _adapting_model_after(original, get_transformers):
     """After a model loads: fall back to stock for unsupported models, else install V-First."""
 
     def wrapper(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        active = backend.active()
-        if active is None:
+        exchanger = job.exchanger()
+        if exchanger is None:
             return result
         from cocodiff_xfuser.processors import families
 
         transformers = get_transformers(self, result)
         padded.mark_padded_tokens(transformers)
         reason = next(filter(None, map(families.unsupported_reason, transformers)), None)
-        uneven = padded.uneven_heads(transformers, active.world_size)
+        uneven = padded.uneven_heads(transformers, exchanger.world_size)
         padding.set_uneven_heads(uneven)
         if reason is not None and uneven is not None:
             fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
@@ -110,14 +142,14 @@ def _adapting_model_after(original, get_transformers):
             logger.warning("cocodiff: %s; falling back to stock Ulysses (xfuser %s, yunchang %s)",
                            reason, compat.xfuser_version(), importlib.metadata.version("yunchang"))
             commstats.count_fallback(f"model: {reason}")
-            backend.deactivate()
-        elif active.options.v_first or uneven is not None:
+            job.end()
+        elif exchanger.options.v_first or uneven is not None:
             if uneven is not None:
                 _check_padding_possible(uneven)
                 logger.warning("cocodiff: %s: zero heads padded up to a multiple (cocodiff's processors)", uneven)
-            v_major = active.options.v_major if active.slow_level is not None else None
+            v_major = exchanger.options.v_major if exchanger.slow_level is not None else None
             for transformer in transformers:
-                families.install(transformer, v_major)
+                families.install(transformer, exchanger, v_major)
             stock = sorted({name for t in transformers for name in families.stock_usp(t)})
             if uneven is not None and stock:
                 fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")

@@ -5,11 +5,11 @@ each module named in :data:`HOOKS`. The patches, by concern:
 
 * :mod:`.devices`: platform enablement, on hosts without CUDA only (XPU, CPU);
 * :mod:`.flags`: ``--sp-backend`` and cocodiff's options on both entry paths;
-* :mod:`.activation`: the backend activated with xfuser's process groups, every Ulysses exchange
-  routed to it, per model a fall-back to stock or V-First processors; external models
+* :mod:`.activation`: the job's exchanger (:mod:`.job`) started with xfuser's process groups, every
+  Ulysses exchange routed to it, per model a fall-back to stock or V-First processors; external models
   (``cocodiff/...``) registered on first lookup;
-* :mod:`.padded`: head and token counts the Ulysses degree does not divide, padded (backend active);
-* :mod:`.workarounds`: xfuser 0.7.0 bugs, while the backend is active (and on XPU/CPU hosts);
+* :mod:`.padded`: head and token counts the Ulysses degree does not divide, padded (under cocodiff);
+* :mod:`.workarounds`: xfuser 0.7.0 bugs, under cocodiff (and on XPU/CPU hosts);
 * :mod:`.compat`: the version, checked patch targets and every private xfuser name.
 
 With an xfuser other than the tested version nothing is patched: silently for stock users, with
@@ -53,6 +53,7 @@ def _before_ring_npu(module: types.ModuleType) -> None:
 def _after_usp(usp: types.ModuleType) -> None:
     devices.close_yunchang_gate(usp)
     activation.route_all_to_all(usp)
+    activation.route_ring_exchange()  # usp imported torch's ring attention
 
 
 #: module -> (before its body runs, after it ran). The yunchang gate is closed after a failed body too.

@@ -1,4 +1,4 @@
-"""Any head and token count under the cocodiff backend (:mod:`cocodiff_xfuser.padding`), wired in.
+"""Any head and token count under cocodiff (:mod:`cocodiff_xfuser.padding`), wired in.
 
 Heads: a model whose head count the Ulysses degree does not divide runs with cocodiff's
 processors, which pad the exchanged heads (stock ``USP`` asserts divisibility). Tokens (FLUX):
@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import types
 
-from cocodiff_xfuser import backend, compat, padding
+from cocodiff_xfuser import compat, padding
+from cocodiff_xfuser.xfuser import job
 
 logger = logging.getLogger("cocodiff_xfuser")
 _logged: set[padding.Streams] = set()
@@ -30,12 +31,12 @@ def uneven_heads(transformers, world: int) -> str | None:
 
 def patch_runtime_state(rs: types.ModuleType) -> None:
     """xfuser refuses head counts the Ulysses degree does not divide before the model runs; with
-    the backend active (it activates earlier, in ``_check_distributed_env``) they are padded."""
+    the exchanger started (it starts earlier, in ``_check_distributed_env``) they are padded."""
     cls = compat.target(rs, "DiTRuntimeState")
 
     def make(original):
         def _check_model_and_parallel_config(self, pipeline, parallel_config):
-            if backend.active() is None:
+            if job.exchanger() is None:
                 return original(self, pipeline, parallel_config)
             return None
 
@@ -59,7 +60,7 @@ def _rounding_height(original):
     it: it is computed for the height rounded up, so that xfuser's check passes."""
 
     def _calc_patches_metadata(self):
-        if not getattr(self, "_cocodiff_pads_tokens", False) or backend.active() is None or self.parallel_config.pp_degree > 1:
+        if not getattr(self, "_cocodiff_pads_tokens", False) or job.exchanger() is None or self.parallel_config.pp_degree > 1:
             return original(self)
         from xfuser.core.distributed import get_sequence_parallel_world_size
 
@@ -81,9 +82,9 @@ def patch_transformer_flux(module: types.ModuleType) -> None:
 
 def _padding_forward(original):
     def forward(self, hidden_states, encoder_hidden_states=None, *args, img_ids=None, txt_ids=None, **kwargs):
-        active = backend.active()
+        exchanger = job.exchanger()
         layout = None
-        if active is not None and encoder_hidden_states is not None:
+        if exchanger is not None and encoder_hidden_states is not None:
             from xfuser.core.distributed import get_ring_parallel_world_size, get_sequence_parallel_world_size
 
             # Ring attention passes K/V blocks between ranks: padded keys cannot be dropped there, so
@@ -100,7 +101,7 @@ def _padding_forward(original):
         if not self.__dict__.get("_cocodiff_padding"):  # V-First may be off: padding needs cocodiff's processors
             from cocodiff_xfuser.processors import families
 
-            families.install(self)
+            families.install(self, exchanger)
             self._cocodiff_padding = True
         encoder_hidden_states = padding.pad_tokens(encoder_hidden_states, text_to, 1)
         hidden_states = padding.pad_tokens(hidden_states, image_to, 1)

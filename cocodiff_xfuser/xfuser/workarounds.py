@@ -1,4 +1,4 @@
-"""Workarounds of xfuser 0.7.0 bugs: while the cocodiff backend is active, and on hosts without CUDA.
+"""Workarounds of xfuser 0.7.0 bugs: while cocodiff runs the job's exchanges, and on hosts without CUDA.
 
 On a CUDA host without the flag (or after a logged fall-back to stock) the stock code runs unchanged (and fails as it would without
 this package). On XPU and CPU hosts, where stock xfuser cannot run at all without the platform
@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib.metadata
 import types
 
-from cocodiff_xfuser import backend, compat
+from cocodiff_xfuser import compat
 from cocodiff_xfuser.platform import detect
-from cocodiff_xfuser.xfuser import flags
+from cocodiff_xfuser.xfuser import flags, job
 
 
 def _on() -> bool:
-    return backend.active() is not None or not detect().is_cuda
+    return job.exchanger() is not None or not detect().is_cuda
 
 
 def patch_transformer_flux(module: types.ModuleType) -> None:
@@ -34,8 +34,8 @@ def patch_transformer_flux(module: types.ModuleType) -> None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '_pad_to_sp_divisible'")
         from xfuser.core.distributed import get_sequence_parallel_world_size
 
-        # With the backend active this is only reached under ring attention (padded.py pads otherwise).
-        fix = "cocodiff pads them with ring degree 1 only" if backend.active() else "--sp-backend cocodiff pads them exactly"
+        # Under cocodiff this is only reached under ring attention (padded.py pads otherwise).
+        fix = "cocodiff pads them with ring degree 1 only" if job.exchanger() else "--sp-backend cocodiff pads them exactly"
         raise ValueError(
             f"FLUX under sequence parallelism: {tensor.shape[dim]} image tokens are not divisible by the SP degree "
             f"{get_sequence_parallel_world_size()}; xfuser 0.7.0 would attend to its zero padding and change the "
@@ -97,7 +97,7 @@ def supply_update_npu_out(module: types.ModuleType) -> None:
     that module on construction: Sana's linear attention and StepVideo could not run on any device.
     Where yunchang lacks it, a stand-in that refuses in one line: the NPU ring is its only caller.
 
-    Before the module's body runs; decided at import, before the backend is active, so by the flag.
+    Before the module's body runs; decided at import, before cocodiff starts, so by the flag.
     """
     if detect().is_cuda and not flags.cocodiff_requested():
         return

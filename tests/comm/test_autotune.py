@@ -15,7 +15,7 @@ from cocodiff_xfuser.comm.autotune import (
     size_bucket,
     split_key,
 )
-from cocodiff_xfuser.comm.registry import A2A_SETTINGS, ALGORITHMS
+from cocodiff_xfuser.comm.autotune import A2A_SETTINGS, ALGORITHMS
 from cocodiff_xfuser.tools.launcher import torchrun
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
-"""Flat, flat-p2p, flat-pxn and hierarchical all-to-all and V-Major's sparse exchange on real gloo process
-groups (torchrun, CPU), with gloo's own rules and with a device backend's (``COCODIFF_DEVICE_SEMANTICS=1``).
+"""Flat, flat-p2p, flat-pxn and hierarchical all-to-all, V-Major's sparse exchange and the ring's
+gather on real gloo process groups (torchrun, CPU), with gloo's own rules and with a device
+backend's (``COCODIFF_DEVICE_SEMANTICS=1``).
 
 Each process start costs seconds on a small machine, so one launch per world size and mode runs
 all cases (tests/workers/collectives_worker.py) and the tests below read its report.
@@ -21,7 +22,7 @@ WORKER = REPO / "tests" / "workers" / "collectives_worker.py"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 CASES = [
     "sparse", "v_major_layer", "agreement", "semantics", "layouts", "subgroups", "async", "uneven", "p2p", "p2p_async",
-    "pipelined", "ulysses_layout", "same_path", "pxn",
+    "pipelined", "ulysses_layout", "same_path", "pxn", "ring",
 ]
 MODES = {"gloo": {}, "device-semantics": {DEVICE_SEMANTICS_ENV: "1"}}
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from cocodiff_xfuser.comm.order import AUDIT_ENV
+from cocodiff_xfuser.comm.transport import AUDIT_ENV
 from cocodiff_xfuser.comm.transport import DEVICE_SEMANTICS_ENV
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir

@@ -72,13 +72,14 @@ def test_install_swaps_known_processors_and_keeps_the_stock_one():
     stock = type("xFuserQwenDoubleStreamAttnProcessor", (), {})()
     other = type("SomeOtherProcessor", (), {})()
     model = _model(stock, other)
-    assert families.install(model) == 1
+    first, second = object(), object()  # stand-ins for two jobs' exchangers
+    assert families.install(model, first) == 1
     assert type(model.attn0.processor).__name__ == "QwenImageVFirstProcessor"
-    assert model.attn0.processor.stock is stock
+    assert model.attn0.processor.stock is stock and model.attn0.processor.exchanger is first
     assert model.attn1.processor is other
     installed = model.attn0.processor
-    assert families.install(model) == 1  # a second load hook changes nothing
-    assert model.attn0.processor is installed
+    assert families.install(model, second) == 1  # a second load hook keeps the processor, with the new exchanger
+    assert model.attn0.processor is installed and installed.exchanger is second
 
 
 def test_wan_cross_attention_keeps_the_stock_processor():
@@ -91,7 +92,7 @@ def test_wan_cross_attention_keeps_the_stock_processor():
         return stock
 
     model = _model(wan(cross=False), wan(cross=True))
-    assert families.install(model) == 1
+    assert families.install(model, object()) == 1
     assert type(model.attn0.processor).__name__ == "WanVFirstProcessor"
     assert type(model.attn1.processor).__name__ == "xFuserWanAttnProcessor"
 
@@ -109,7 +110,7 @@ def test_processors_of_wrapped_modules_are_ignored():
     wrapper.processor = type("xFuserAttnProcessor2_0", (), {})()
     model = torch.nn.Module()
     model.attn = wrapper
-    assert families.install(model) == 1
+    assert families.install(model, object()) == 1
     assert type(wrapper.processor).__name__ == "PixArtVFirstProcessor"
     assert type(inner.processor).__name__ == "AttnProcessor2_0"
 
@@ -132,7 +133,7 @@ def test_linear_slice_is_the_fused_projection_rows():
 def reports() -> dict[str, str]:
     out = {}
     for layout, (ranks, ulysses, ring) in LAYOUTS.items():
-        argv = [str(WORKER), "--ulysses", str(ulysses), "--ring", str(ring), "--cases", ",".join(CASES)]
+        argv = [str(WORKER), "--ulysses", str(ulysses), "--ring", str(ring), "--cases", ",".join([*CASES, "exchange_modules"])]
         out[layout] = torchrun(ranks, argv, env=ENV, timeout=300).stdout
     return out
 
@@ -142,6 +143,14 @@ def reports() -> dict[str, str]:
 @pytest.mark.parametrize("case", CASES)
 def test_v_first_is_bitwise_equal_to_stock(reports, layout, case):
     assert f"CASE {case} ok" in reports[layout], reports[layout]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_an_exchange_runs_code_in_at_most_six_product_modules(reports, layout):
+    """From its start to its result, an exchange of a V-First layer (the worker records the modules
+    with ``sys.setprofile`` over a FLUX.2 forward, on each algorithm the group can run)."""
+    assert "CASE exchange_modules ok" in reports[layout], reports[layout]
 
 
 # ------------------------------------------------------------------ SD3 whole-text joint path

@@ -1,4 +1,4 @@
-"""Distributed test cases for the exchanges of cocodiff_xfuser.comm (flat, tapa, registry, autotune), run under torchrun (gloo, CPU).
+"""Distributed test cases for the exchanges of cocodiff_xfuser.comm (flat, tapa, the registry and the autotune), run under torchrun (gloo, CPU).
 
 Usage: torchrun --nproc-per-node N collectives_worker.py --cases a,b,c [--tmpdir DIR]
 
@@ -25,13 +25,14 @@ import torch.distributed as dist
 import dataclasses
 
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import faults, layout, order, sparse, timing, transport
+from cocodiff_xfuser.comm import faults, sparse, timing, transport
 from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
-from cocodiff_xfuser.comm.autotune import AutoAllToAll, size_bucket
+from cocodiff_xfuser.comm.autotune import ALGORITHMS, AutoAllToAll, Registry, size_bucket
 from cocodiff_xfuser.comm.flat import FlatHandle, P2PHandle, flat_all_to_all, p2p_all_to_all, start_flat_all_to_all, start_p2p_all_to_all
-from cocodiff_xfuser.comm.registry import ALGORITHMS, Registry
+from cocodiff_xfuser.comm.ring import RingGather
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle, TwoLevelHandle
 from cocodiff_xfuser.comm.topology import Topology
+from cocodiff_xfuser.exchanger import heads, sequence
 from cocodiff_xfuser.settings import VMajorSettings
 from cocodiff_xfuser.tools import same_bits
 from cocodiff_xfuser.xfuser import fault_policy
@@ -135,7 +136,7 @@ def case_pipelined() -> None:
     # One program order: with the audit on, every rank launches the same sequence, whatever
     # completes first (several pipelined exchanges in flight, advanced and waited out of order).
     hier = HierarchicalAllToAll(Topology.parse(next(iter(_topologies()))), [list(range(WORLD))])
-    saved, order._launches = order._launches, []
+    saved, transport._launches = transport._launches, []
     try:
         xs = [rand_bits((WORLD * 4 * 256,), torch.float32, 990 + i) for i in range(3)]
         handles = [hier.start(xs[0], parts=4), hier.start(xs[1], parts=2), hier.start(xs[2])]
@@ -146,10 +147,10 @@ def case_pipelined() -> None:
         for i in (1, 2, 0):
             check(same_bits(handles[i].wait(), flat_all_to_all(xs[i])), f"audited pipeline #{i}")
         sequences = [None] * WORLD
-        dist.all_gather_object(sequences, order.launches())
+        dist.all_gather_object(sequences, transport.launches())
         check(len(sequences[0]) > 10 and all(q == sequences[0] for q in sequences), "ranks launched in different orders")
     finally:
-        order._launches = saved
+        transport._launches = saved
 
 
 def case_pxn() -> None:
@@ -182,7 +183,7 @@ def case_pxn() -> None:
     # exchanges in flight, advanced and waited out of start order, some ranks late).
     hier = HierarchicalAllToAll(Topology.parse(runs[0][0]), [list(range(WORLD))])
     registry = Registry(hier)
-    saved, order._launches = order._launches, []
+    saved, transport._launches = transport._launches, []
     try:
         xs = [rand_bits((WORLD * 512,), torch.float32, 1200 + i) for i in range(3)]
         handles = [registry["flat-pxn"].start(xs[0], None), hier.start(xs[1]), registry["flat-pxn"].start(xs[2], None)]
@@ -192,11 +193,11 @@ def case_pxn() -> None:
         for i in (2, 1, 0):
             check(same_bits(handles[i].wait(), flat_all_to_all(xs[i])), f"audited flat-pxn #{i}")
         sequences = [None] * WORLD
-        dist.all_gather_object(sequences, order.launches())
+        dist.all_gather_object(sequences, transport.launches())
         check(len(sequences[0]) >= 8 and all(q == sequences[0] for q in sequences), "ranks launched in different orders")
         check(("level 0 of " + str(hier.levels()), "relayed chunks") in sequences[0], f"the relay runs on the rails: {sequences[0]}")
     finally:
-        order._launches = saved
+        transport._launches = saved
     # Forced where it cannot run: flat, with the reason, counted (as every algorithm).
     refused = {4: [("2x2", [[0, 1], [2, 3]], "fewer than two"), ("2x2", [[0, 2], [1, 3]], "fewer than two")],
                8: [("2x2x2", [list(range(8))], "3 levels"), ("2x2x2", [[0, 1, 2, 3], [4, 5, 6, 7]], "inside one node")]}[WORLD]
@@ -219,19 +220,19 @@ def case_ulysses_layout() -> None:
     q, k = rand_bits((b, h, s, d), torch.bfloat16, 970), rand_bits((b, h, s, d), torch.bfloat16, 971)
     stacked = torch.stack((q, k)).view(2, b, WORLD, 3, s, d).permute(2, 0, 1, 3, 4, 5).contiguous()
     before = commstats.ran()["copied_bytes"]
-    canonical = layout.heads((q, k), (WORLD,), (0,))
+    canonical = heads((q, k), (WORLD,), (0,))
     check(commstats.ran()["copied_bytes"] - before == stacked.numel() * 2, "one pass counted")
     check(same_bits(canonical, stacked), "destination-major layout != xfuser's")
     ref = flat_all_to_all(stacked.view(-1)).view(stacked.shape)
     want = ref.permute(1, 2, 3, 0, 4, 5).reshape(2, b, 3, WORLD * s, d)
-    check(all(same_bits(g, w) for g, w in zip(layout.sequence(ref, 2), want)), "sequence layout")
+    check(all(same_bits(g, w) for g, w in zip(sequence(ref, 2), want)), "sequence layout")
     nbytes = stacked.numel() * stacked.element_size()
     for spec, levels in _topologies().items():
         hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
         canonical, inner_first = tuple(range(len(levels))), (len(levels) - 1, *range(len(levels) - 1))
         order_ = hier.input_layout()
         check(order_ == (canonical if len(levels) == 2 else inner_first), f"{spec}: {order_}")
-        data = layout.heads((q, k), levels, order_)
+        data = heads((q, k), levels, order_)
         got = hier.start(data.view(-1), layout=order_).wait()
         check(same_bits(got.view(ref.shape), ref), f"{spec}: layout {order_} != flat")
         copied = []
@@ -919,6 +920,36 @@ def case_same_path() -> None:
         check(calls["gloo"] == (0 if transport.device_semantics() else len(gloo)), f"{spec}: gloo calls {calls['gloo']}")
 
 
+def case_ring() -> None:
+    """The ring attention's K/V gather (:mod:`cocodiff_xfuser.comm.ring`): bitwise torch's all-gather on
+    the world and on strided ring groups (ranks one node apart, as xfuser builds them), for every
+    dtype (fp8 travels as its bytes); several in flight, waited out of order, one launch order."""
+    strided = [[r for r in range(WORLD) if r % 2 == i] for i in range(2)]
+    for groups in ([list(range(WORLD))], strided):
+        group = make_groups(groups) if len(groups) > 1 else dist.group.WORLD
+        size = len(groups[0])
+        for seed, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in [(7,), (2, 3, 5)]):
+            x = rand_bits(shape, dtype, 1300 + seed)
+            want = torch.empty(size * x.numel(), dtype=torch.uint8 if dtype == torch.float8_e4m3fn else dtype)
+            dist.all_gather_into_tensor(want, x.view(want.dtype).flatten(), group=group)
+            got = RingGather(x, group).wait()
+            check(got.shape == (size, x.numel()) and got.dtype == dtype, f"ring gather shape {got.shape} {got.dtype}")
+            check(same_bits(got.view(-1), want.view(dtype)), f"ring gather {groups} {dtype} {shape} != all_gather")
+    saved, transport._launches = transport._launches, []
+    try:
+        xs = [rand_bits((64,), torch.bfloat16, 1390 + i) for i in range(3)]
+        gathers = [RingGather(x, dist.group.WORLD) for x in xs]
+        if RANK % 2:
+            time.sleep(0.05)
+        for i in (2, 0, 1):
+            check(same_bits(gathers[i].wait()[RANK], xs[i]), f"ring gather #{i}: own row")
+        sequences = [None] * WORLD
+        dist.all_gather_object(sequences, transport.launches())
+        check(sequences[0] == [("ring", "ring K/V")] * 3 and all(q == sequences[0] for q in sequences), f"launches {sequences}")
+    finally:
+        transport._launches = saved
+
+
 def case_misordered() -> None:
     """A batch that lists every receive before its send (gloo's order) where the backend replays a
     batch in order, as oneCCL does: correct on gloo, a hang under device semantics that ends with
@@ -953,6 +984,7 @@ CASES = {
     "autotune": case_autotune,
     "pipelined": case_pipelined,
     "pxn": case_pxn,
+    "ring": case_ring,
     "ulysses_layout": case_ulysses_layout,
 }
 

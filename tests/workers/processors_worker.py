@@ -67,23 +67,29 @@ def setup(ulysses: int, ring: int) -> None:
     core.start_input_exchange = counting
 
 
-def use_backend(v_first: bool) -> None:
-    """Stock Ulysses (xfuser's own exchanges), or the cocodiff backend with V-First (on the fair flat
-    exchange: what is compared is the processors, and every exchange is exact)."""
-    from xfuser.core.distributed import get_sp_group
+def use_backend(v_first: bool, a2a: str = "flat-p2p") -> None:
+    """Stock Ulysses (xfuser's own exchanges), or cocodiff with V-First (on the fair flat exchange by
+    default: what is compared is the processors, and every exchange is exact; with a ring, its K/V
+    through cocodiff too)."""
+    from xfuser.core.distributed import get_ring_parallel_world_size, get_sp_group
 
-    from cocodiff_xfuser import backend
     from cocodiff_xfuser.settings import Options
+    from cocodiff_xfuser.xfuser import job
 
     if v_first:
-        backend.activate(get_sp_group().ulysses_group, Options(v_first=True, a2a="flat-p2p"))
+        ring = get_sp_group().ring_group if get_ring_parallel_world_size() > 1 else None
+        job.start(get_sp_group().ulysses_group, Options(v_first=True, a2a=a2a), ring)
     else:
-        backend.deactivate()
+        job.end()
 
 
 def compare(name: str, build, inputs, expected_v: set[str]) -> None:
     """Forward ``build()`` on ``inputs`` with xfuser's processors, then with V-First ones."""
+    from xfuser.core.distributed import get_ring_parallel_world_size
+
+    from cocodiff_xfuser import commstats
     from cocodiff_xfuser.processors import families
+    from cocodiff_xfuser.xfuser import job
 
     outputs = []
     for v_first in (False, True):
@@ -91,13 +97,16 @@ def compare(name: str, build, inputs, expected_v: set[str]) -> None:
         torch.manual_seed(0)  # same weights on every rank and in both runs
         model = build().eval()
         if v_first:
-            installed = families.install(model)
+            installed = families.install(model, job.exchanger())
             check(installed > 0, f"{name}: no V-First processor installed")
         V_EXCHANGES.clear()
+        rings = commstats.ran()["exchanges"].get("ring all-gather", 0)
         with torch.no_grad():
             outputs.append(model(**inputs)[0])
+        rings = commstats.ran()["exchanges"].get("ring all-gather", 0) - rings
         if v_first:
             check(set(V_EXCHANGES) == expected_v, f"{name}: V exchanges {dict(V_EXCHANGES)}, expected {expected_v}")
+            check((rings > 0) == (get_ring_parallel_world_size() > 1), f"{name}: {rings} ring K/V exchanges through cocodiff")
         else:
             check(not V_EXCHANGES, f"{name}: stock run went through V-First: {dict(V_EXCHANGES)}")
     stock, ours = outputs
@@ -214,11 +223,92 @@ def case_hunyuan_video_rear_text() -> None:
     check(not get_runtime_state().split_text_embed_in_sp, "the text was split: the joint path did not run")
 
 
+# ------------------------------------------------------------------------- one exchange's reach
+
+#: The most product modules one exchange may run code in, from its start to its result.
+MAX_EXCHANGE_MODULES = 6
+
+
+def exchange_modules(run) -> dict[str, set[str]]:
+    """Per exchange started while ``run()`` runs, the product modules it ran code in from its start
+    to its result (every call into the exchanger that starts, advances or waits for it), as paths
+    inside the package; keyed by the exchange's label and algorithm (several of one kind: their union)."""
+    import os
+    import sys
+
+    import cocodiff_xfuser
+    from cocodiff_xfuser.exchanger import Exchange, RingRotater
+
+    root = os.path.dirname(cocodiff_xfuser.__file__) + os.sep
+    exchanger = os.path.join(root, "exchanger.py")
+    # Keyed by the exchange object itself (kept alive, so that no later one reuses its identity).
+    per_exchange: dict[object, set[str]] = {}
+    names: dict[object, str] = {}
+    entry: list = [None, set()]  # the outermost exchanger frame running now, and the modules it reached
+
+    def profile(frame, event, arg) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(root):
+            if entry[0] is None and name == exchanger:
+                entry[0], entry[1] = frame, set()
+            if entry[0] is not None:
+                entry[1].add(name[len(root):])
+        elif event == "return" and frame is entry[0]:
+            entry[0] = None
+            owner = frame.f_locals.get("self")
+            key = arg if isinstance(arg, Exchange) else owner if isinstance(owner, (Exchange, RingRotater)) else None
+            if key is None and frame.f_code.co_name == "all_to_all":
+                key = ("blocking", len(per_exchange))  # one call is the whole exchange
+            if key is None:
+                return  # not an exchange (the layouts, a rotater's creation)
+            per_exchange.setdefault(key, set()).update(entry[1])
+            if isinstance(key, Exchange):
+                names[key] = f"{key.label} ({key.algorithm})"
+            names.setdefault(key, "ring K/V" if isinstance(key, RingRotater) else f"{frame.f_locals.get('label')} (blocking)")
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    by_kind: dict[str, set[str]] = {}
+    for key, modules in per_exchange.items():
+        by_kind.setdefault(names[key], set()).update(modules)
+    return by_kind
+
+
+def case_exchange_modules() -> None:
+    """Each exchange of a FLUX.2 forward under V-First (V's early exchange, Q/K's, the output's, the
+    ring's K/V with a ring), on each algorithm a 2-rank Ulysses group can run, runs code in at most
+    MAX_EXCHANGE_MODULES product modules."""
+    from cocodiff_xfuser.processors import families
+    from cocodiff_xfuser.xfuser import job
+
+    build, inputs, expected_v = flux2()
+    for a2a in ("flat-p2p", "flat"):
+        use_backend(True, a2a)
+        torch.manual_seed(0)
+        model = build().eval()
+        families.install(model, job.exchanger())
+        with torch.no_grad():
+            model(**inputs)  # first use: sub-groups and the like
+            V_EXCHANGES.clear()
+            kinds = exchange_modules(lambda: model(**inputs))
+        check(set(V_EXCHANGES) == expected_v, f"{a2a}: V exchanges {dict(V_EXCHANGES)}, expected {expected_v}")
+        widest = max(kinds.values(), key=len)
+        check(len(widest) <= MAX_EXCHANGE_MODULES, f"{a2a}: an exchange ran code in {len(widest)} modules: {kinds}")
+        if RANK == 0:
+            for kind, modules in sorted(kinds.items()):
+                print(f"EXCHANGE MODULES {a2a}: {kind}: {len(modules)}: {' '.join(sorted(modules))}", flush=True)
+    use_backend(False)
+
+
 CASES = {
     "flux2": case_flux2,
     "flux2_fused": case_flux2_fused,
     "hunyuan_video_split_text": case_hunyuan_video_split_text,
     "hunyuan_video_rear_text": case_hunyuan_video_rear_text,
+    "exchange_modules": case_exchange_modules,
 }
 
 

@@ -59,6 +59,38 @@ def test_patches_are_idempotent():
     assert sum(1 for action in parser._actions if "--sp_backend" in action.option_strings) == 1
 
 
+def test_the_ring_rotater_is_routed_and_stays_torchs_without_an_exchanger():
+    """Loading xfuser's Ulysses module wraps torch's rotater factory; with no job's exchanger (stock)
+    it returns torch's own rotater, and a torch without the factory leaves the ring's exchange stock
+    (one reason, logged when a job with a ring starts)."""
+    import importlib
+
+    import torch.distributed as dist
+    import xfuser.model_executor.layers.usp  # noqa: F401  (its load hook routes the rotater)
+
+    from cocodiff_xfuser.xfuser import activation, job
+
+    ring_attention = importlib.import_module(compat.RING_ATTENTION)
+    assert compat.is_wrapped(ring_attention._create_rotater) and job.exchanger() is None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert type(ring_attention._create_rotater(dist.group.WORLD, 2)).__name__ == "_AllGatherRotater"
+    finally:
+        dist.destroy_process_group()
+
+    def lacking(module, name):
+        raise compat.IncompatibleTorch(f"cocodiff-xfuser: {module}.{name} not found in torch x")
+
+    saved = activation._ring_unrouted
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(compat, "torch_private", lacking)
+            activation.route_ring_exchange()
+        assert "_create_rotater not found" in activation._ring_unrouted
+    finally:
+        activation._ring_unrouted = saved
+
+
 def test_missing_patch_target_is_a_clear_error():
     with pytest.raises(compat.IncompatibleXfuser, match=r"fake\.gone not found"):
         compat.target(types.ModuleType("fake"), "gone")

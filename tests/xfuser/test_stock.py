@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from cocodiff_xfuser import backend, platform
-from cocodiff_xfuser.xfuser import devices, workarounds
+from cocodiff_xfuser import platform
+from cocodiff_xfuser.xfuser import devices, job, workarounds
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def cuda_host(monkeypatch):
     cuda = platform.Platform("cuda", "nccl")
     for module in (platform, devices, workarounds):
         monkeypatch.setattr(module, "detect", lambda: cuda)
-    monkeypatch.setattr(backend, "_ACTIVE", None)
+    monkeypatch.setattr(job, "_EXCHANGER", None)
 
 
 def _module(name: str, **attributes) -> types.ModuleType:

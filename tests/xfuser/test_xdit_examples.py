@@ -99,6 +99,7 @@ def test_the_example_is_bitwise_stock_with_cocodiff(script, stock_run, tmp_path)
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # V-Major's lossy path at its defaults runs in make test through the order suite (every tiny model)
 def test_the_pixart_sigma_example_with_v_major(stock_run, tmp_path):
     script = "pixartsigma_example.py"
     stock = stock_run(script)

@@ -58,12 +58,11 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats, padding, platform
-from cocodiff_xfuser.comm import layout
-from cocodiff_xfuser.comm.autotune import AutoAllToAll, candidate_key, size_bucket, split_key
-from cocodiff_xfuser.comm.registry import Registry
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, Registry, candidate_key, size_bucket, split_key
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.comm.timing import elapsed, slowest
 from cocodiff_xfuser.comm.topology import Topology, resolve
+from cocodiff_xfuser.exchanger import heads, sequence
 from cocodiff_xfuser.tools import same_bits
 from cocodiff_xfuser.tools.bench import one_at_a_time, parse_shapes, plots
 
@@ -147,7 +146,7 @@ ULYSSES_HEADS, ULYSSES_HEAD_DIM = 2, 64
 def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Timer, reps: int, warmup: int) -> dict[str, Any] | None:
     """The Ulysses Q/K input exchange at ``x``'s size, as xfuser lays it out (``torch.stack``,
     ``permute().contiguous()``, the exchange, ``permute().reshape()``) and as cocodiff does
-    (:mod:`cocodiff_xfuser.comm.layout`), both with the chosen algorithm: bitwise-equal outputs,
+    (:func:`cocodiff_xfuser.exchanger.heads`), both with the chosen algorithm: bitwise-equal outputs,
     local copies per exchange in passes over the message (counted), and the time of those copies
     alone and of the whole exchange (medians, max over ranks). None when the size does not
     split into such tensors."""
@@ -170,10 +169,10 @@ def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Time
         return out.view(world, 2, 1, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM).permute(1, 2, 3, 0, 4, 5).reshape(2, 1, ULYSSES_HEADS, -1, ULYSSES_HEAD_DIM)
 
     def cocodiff_layout(tensors: tuple[torch.Tensor, ...] = (q, k)) -> torch.Tensor:
-        return layout.heads(tensors, levels if folded else (world,), order)
+        return heads(tensors, levels if folded else (world,), order)
 
     def cocodiff_output(out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return layout.sequence(out.view(world, 2, 1, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM), 2)
+        return sequence(out.view(world, 2, 1, ULYSSES_HEADS, s, ULYSSES_HEAD_DIM), 2)
 
     def xfuser_path() -> torch.Tensor:
         return xfuser_output(tuner.run(algorithm, xfuser_layout().view(-1), pg))

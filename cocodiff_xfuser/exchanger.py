@@ -1,29 +1,34 @@
-"""The cocodiff sequence-parallel backend of one process: its Ulysses group and exchange plan.
+"""The exchanger: every Ulysses exchange of one process starts here and returns one handle type.
 
-:mod:`cocodiff_xfuser.xfuser` activates it once xfuser has built its process groups and sends
-every Ulysses all-to-all here; V-First processors start their exchanges (in and out) through
-it. This module knows nothing about how it is wired in.
+Built once per job when xfuser has built its process groups (:mod:`cocodiff_xfuser.xfuser.job`
+holds it for xfuser's entry points; the V-First processors are given it when they are installed),
+it owns the Ulysses group, its topology levels, V-Major's slow level and the autotune. Every
+exchange (xfuser's routed all-to-all, V-First's input and output exchanges, V-Major's sparse ones,
+fp8 on every link or only the slow ones) starts through :meth:`Exchanger.start`,
+:meth:`~Exchanger.start_heads` or :meth:`~Exchanger.start_sparse` and returns an :class:`Exchange`
+(``advance``, ``wait``); under ring attention, the ring's K/V too (:meth:`~Exchanger.ring_rotater`:
+torch's rotater protocol, each exchange through :meth:`~Exchanger.start_ring`). The Ulysses layouts are written here too: head blocks once, in the order
+the chosen exchange sends them (:func:`heads`), and read back (:func:`sequence`). This module knows
+nothing about how it is wired in.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import math
 import os
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import compress, faults, layout, order, sparse, transport
+from cocodiff_xfuser.comm import compress, faults, ring, sparse, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree, from_first
-from cocodiff_xfuser.comm.autotune import AutoAllToAll
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, Registry
 from cocodiff_xfuser.comm.flat import AllToAllHandle
-from cocodiff_xfuser.comm.registry import Registry
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.settings import Options
 
@@ -34,16 +39,17 @@ T = TypeVar("T")
 DECISIONS_ENV = "COCODIFF_A2A_DECISIONS"
 
 
-class _Reshaping:
-    """A handle over a flattened exchange that gives the result back in the input's shape
-    (``unpack``: what turns the exchanged bytes back into values, for a compressed exchange;
-    ``peers``: what a sparse exchange learns of the senders' active tokens, filled by its wait)."""
+class Exchange:
+    """An exchange in flight, whichever algorithm runs it: ``advance`` launches its next phase,
+    ``wait`` gives the result in the shape the exchanger promised (``unpack``: what turns the
+    exchanged bytes back into values, for a compressed exchange; ``peers``: what a sparse exchange
+    learns of the senders' active tokens, filled by its wait)."""
 
     def __init__(
-        self, backend: CocodiffBackend, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str,
+        self, exchanger: Exchanger, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str,
         unpack: Callable[[torch.Tensor], torch.Tensor] | None = None, peers: dict[int, torch.Tensor] | None = None,
     ) -> None:
-        self._backend, self._handle, self._shape = backend, handle, shape
+        self._exchanger, self._handle, self._shape = exchanger, handle, shape
         self.label, self.algorithm = label, algorithm
         self._unpack = unpack
         self.peers = peers
@@ -51,23 +57,28 @@ class _Reshaping:
         self._out: torch.Tensor | None = None
 
     def advance(self) -> bool:
-        return self._backend.finish(self._handle.advance, self.label, self.algorithm)
+        return self._exchanger.finish(self._handle.advance, self.label, self.algorithm)
 
     def wait(self) -> torch.Tensor:
         # Idempotent: the autotune completes pending exchanges before it measures, and their
         # owners wait again later (a sparse exchange adds residuals: it must complete once).
         if not self.done:
-            out = self._backend.finish(self._handle.wait, self.label, self.algorithm)
+            out = self._exchanger.finish(self._handle.wait, self.label, self.algorithm)
             self._out = (out if self._unpack is None else self._unpack(out)).reshape(self._shape)
             self.done = True
         return self._out
 
 
-class CocodiffBackend:
-    """Runs the Ulysses exchanges of one process: flat or hierarchical, chosen per message size."""
+class Exchanger:
+    """Runs the Ulysses exchanges of one process: flat or hierarchical, chosen per message size.
 
-    def __init__(self, group: dist.ProcessGroup, options: Options) -> None:
+    Closed (:meth:`close`) when its job ends or falls back to stock: processors that still hold
+    it then take the stock path.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, options: Options, ring_group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self.ring_group = ring_group  # the ring attention's group, where the ring degree is above 1
         self.options = options
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank()
@@ -76,7 +87,7 @@ class CocodiffBackend:
         # Collective over the world: every rank learns every Ulysses group, resolves the same
         # topology and creates the same sub-groups in the same order.
         groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        order.launched(None, "all_gather_object")
+        transport.launched(None, "all_gather_object")
         dist.all_gather_object(groups, dist.get_process_group_ranks(group))
         # Statistics calibrate by waiting for V at once, which changes the launch order; device
         # semantics change the order inside every batch.
@@ -86,17 +97,22 @@ class CocodiffBackend:
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
         self._slow_share = _slow_link_share(self.topology, dist.get_process_group_ranks(group), self.rank)
+        # Ring peers on other nodes: each receives this rank's K/V over the slow links.
+        self._ring_slow_peers = 0 if ring_group is None else round(
+            _slow_link_share(self.topology, dist.get_process_group_ranks(ring_group), self.rank) * dist.get_world_size(ring_group)
+        )
         slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
         v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
         if not self._slow_share and self.rank == 0:
             # The layout put the slow links outside Ulysses (ring or CFG across nodes): one line for the job.
             idle = "V-Major and fp8-slow have" if self.levels else "TAPA, V-Major and fp8-slow have"
-            logger.warning("cocodiff: the Ulysses group %s stays inside one node (topology %s): %s nothing to do "
+            logger.warning("cocodiff: the Ulysses %s stays inside one node (topology %s): %s nothing to do "
                            "there; the groups across nodes (ring, CFG) exchange as stock", self._group_desc,
                            self.topology, idle)
         self.slow_level = self._slow_level(groups, "V-Major" if v_major else "fp8-slow") if v_major or slow_only else None
-        self.exchange = AutoAllToAll(Registry(tapa), a2a=options.a2a)
-        self._pending: list[_Reshaping] = []
+        self.autotune = AutoAllToAll(Registry(tapa), a2a=options.a2a)
+        self._pending: list[Exchange] = []
+        self.closed = False
         # What decisions are only valid for (kept: at exit the process groups may be gone).
         self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
         self._decisions_file = self._load_decisions()
@@ -131,22 +147,22 @@ class CocodiffBackend:
                 f"{DECISIONS_ENV}={path} was measured on {measured_on}, this job is "
                 f"{self._provenance}; remove the file or point {DECISIONS_ENV} elsewhere"
             )
-        self.exchange.load_dict(data)
+        self.autotune.load_dict(data)
         logger.info("cocodiff: all-to-all decisions loaded from %s", path)
         return path
 
     def save_decisions(self) -> None:
         """Rank 0 writes the autotune decisions to ``$COCODIFF_A2A_DECISIONS`` (a cost model reads them)."""
         if self._decisions_file and self.rank == 0:
-            text = json.dumps(self.exchange.to_dict() | self._provenance, indent=2)
+            text = json.dumps(self.autotune.to_dict() | self._provenance, indent=2)
             with open(self._decisions_file, "w") as f:
                 f.write(text)
 
     def _choose(self, x: torch.Tensor) -> str:
-        if self.exchange.measures(x, self.group):
+        if self.autotune.measures(x, self.group):
             self._complete_pending()
         self._pending = [p for p in self._pending if not p.done]
-        return self.exchange.choose(x, self.group)
+        return self.autotune.choose(x, self.group)
 
     def _complete_pending(self) -> None:
         """Complete the exchanges still in flight (V's, under V-First), at the same program point on
@@ -185,7 +201,7 @@ class CocodiffBackend:
         except RuntimeError as e:
             faults.failed_exchange(self.rank, label, where, self.options.timeout_s, e)
 
-    def _pending_handle(self, handle: _Reshaping) -> _Reshaping:
+    def _pending_handle(self, handle: Exchange) -> Exchange:
         """``handle``, remembered until it completes (a measurement completes it first)."""
         self._pending.append(handle)
         return handle
@@ -194,7 +210,7 @@ class CocodiffBackend:
         """Whether ``x`` is exchanged as fp8 over the slow level only (``--cocodiff-compress fp8-slow``)."""
         return self.options.compress == "fp8-slow" and self.slow_level is not None and x.dtype in compress.WIDE
 
-    def _start_slow_fp8(self, x: torch.Tensor, label: str) -> _Reshaping:
+    def _start_slow_fp8(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the exchange of ``x`` (W equal destination-major chunks of rows of its last dim):
         node-mates get the values, ranks on other nodes every row in fp8 with its scale, through
         the sparse exchange's routings. The result has the shape ``[W, 1, rows, d]``."""
@@ -208,23 +224,23 @@ class CocodiffBackend:
     # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
     # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
     @torch.compiler.disable
-    def start(self, x: torch.Tensor, label: str) -> _Reshaping:
+    def start(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
         if self._slow_fp8(x):
             return self._start_slow_fp8(x, label)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
         algorithm = self.finish(lambda: self._algorithm(flat, label, x.numel() * x.element_size()), label, "autotune")
-        started = self.finish(lambda: self.exchange.start(algorithm, flat, self.group), label, algorithm)
-        return self._pending_handle(_Reshaping(self, started, x.shape, label, algorithm, unpack))
+        started = self.finish(lambda: self.autotune.start(algorithm, flat, self.group), label, algorithm)
+        return self._pending_handle(Exchange(self, started, x.shape, label, algorithm, unpack))
 
     @torch.compiler.disable
-    def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> _Reshaping:
+    def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> Exchange:
         """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
-        chosen exchange sends (:func:`cocodiff_xfuser.comm.layout.heads`)."""
+        chosen exchange sends (:func:`heads`)."""
         if self._slow_fp8(tensors[0]):
-            return self._start_slow_fp8(layout.heads(tensors, (self.world_size,), (0,)), label)
+            return self._start_slow_fp8(heads(tensors, (self.world_size,), (0,)), label)
         b, h, s, d = tensors[0].shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
         exact_bytes = math.prod(shape) * tensors[0].element_size()
@@ -234,25 +250,25 @@ class CocodiffBackend:
         else:
             numel, dtype = self.world_size * compress.packed_bytes(math.prod(shape[1:-1]), d), torch.uint8
         probe = tensors[0].new_empty(1, dtype=dtype).expand(numel)
-        if self.exchange.measures(probe, self.group):
+        if self.autotune.measures(probe, self.group):
             probe = tensors[0].new_empty(numel, dtype=dtype)
         algorithm = self.finish(lambda: self._algorithm(probe, label, exact_bytes), label, "autotune")
-        if algorithm == "hierarchical" and self.exchange.parts(probe, self.group) == 1:
-            sends = self.exchange.registry.tapa.input_layout(self.group)
-            data, extra = layout.heads(tensors, self.levels, sends), {"layout": sends}
+        if algorithm == "hierarchical" and self.autotune.parts(probe, self.group) == 1:
+            sends = self.autotune.registry.tapa.input_layout(self.group)
+            data, extra = heads(tensors, self.levels, sends), {"layout": sends}
         else:
-            data, extra = layout.heads(tensors, (self.world_size,), (0,)), {}
+            data, extra = heads(tensors, (self.world_size,), (0,)), {}
         packed = self._packed(data)  # chunks in send order, whichever layout
         data, unpack = packed if packed is not None else (data.view(-1), None)
-        started = self.finish(lambda: self.exchange.start(algorithm, data, self.group, **extra), label, algorithm)
-        return self._pending_handle(_Reshaping(self, started, shape, label, algorithm, unpack))
+        started = self.finish(lambda: self.autotune.start(algorithm, data, self.group, **extra), label, algorithm)
+        return self._pending_handle(Exchange(self, started, shape, label, algorithm, unpack))
 
     @torch.compiler.disable
     def start_sparse(
         self, x: torch.Tensor, rows: sparse.Rows, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
         by_receiver: bool = False, learn_peers: bool = False,
         decode: Callable[[torch.Tensor], torch.Tensor] | None = None, kind: str = "v-major",
-    ) -> _Reshaping:
+    ) -> Exchange:
         """Start V-Major's exchange of ``x`` (``[W, P, s, d]``) into ``into``, the previous result:
         other nodes get only ``rows``, the rows ``selection`` marks (as values, or residuals to
         add; ``by_receiver``, ``learn_peers`` and ``decode``: :class:`~cocodiff_xfuser.comm.sparse.SparseHandle`'s;
@@ -269,7 +285,7 @@ class CocodiffBackend:
             decode,
         ), label, algorithm)
         commstats.count_exchange(algorithm, label, slow_link_bytes=exchange.slow_bytes, slow_link_bytes_exact=exchange.exact_bytes)
-        return self._pending_handle(_Reshaping(self, exchange, into.shape, label, algorithm, peers=exchange.peers))
+        return self._pending_handle(Exchange(self, exchange, into.shape, label, algorithm, peers=exchange.peers))
 
     @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
@@ -279,8 +295,25 @@ class CocodiffBackend:
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
         algorithm = self.finish(lambda: self._algorithm(flat, label, x.numel() * x.element_size()), label, "autotune")
-        out = self.finish(lambda: self.exchange.run(algorithm, flat, self.group), label, algorithm)
+        out = self.finish(lambda: self.autotune.run(algorithm, flat, self.group), label, algorithm)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
+
+    def ring_rotater(self, group: dist.ProcessGroup) -> RingRotater:
+        """torch's ring-attention rotater for ``group`` (the ring group), through this exchanger."""
+        return RingRotater(self, group)
+
+    @torch.compiler.disable
+    def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
+        """Start the all-gather of ``buffer`` over the ring ``group``: ``[ring size, n]`` (:mod:`.comm.ring`)."""
+        label, algorithm = "ring", "ring all-gather"
+        nbytes = buffer.numel() * buffer.element_size() * self._ring_slow_peers
+        commstats.count_exchange(algorithm, label, slow_link_bytes=nbytes, slow_link_bytes_exact=nbytes)
+        started = self.finish(lambda: ring.RingGather(buffer, group), label, algorithm)
+        return Exchange(self, started, (dist.get_world_size(group), buffer.numel()), label, algorithm)
+
+    def close(self) -> None:
+        """The job ended or fell back to stock: nothing starts here any more."""
+        self.closed = True
 
     def describe(self) -> str:
         plan = "x".join(map(str, self.levels)) if self.levels else "flat only"
@@ -291,6 +324,26 @@ class CocodiffBackend:
             f"compression {self.options.compress}, "
             f"timeout {self.options.timeout_s:g} s"
         )
+
+
+class RingRotater:
+    """torch's ring-attention rotater protocol (``exchange_buffers``, ``next_buffer``) over the
+    exchanger: like torch's default, the first buffer is all-gathered once (:meth:`Exchanger.start_ring`)
+    and step ``i`` reads ring rank ``rank - i``'s block, so attention sees the bytes it would."""
+
+    def __init__(self, exchanger: Exchanger, group: dist.ProcessGroup) -> None:
+        self._exchanger, self._group = exchanger, group
+        self._gather: Exchange | None = None
+        self._step = 0
+
+    def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
+        self._step += 1
+        if self._gather is None:
+            self._gather = self._exchanger.start_ring(curr_buffer, self._group)
+
+    def next_buffer(self) -> torch.Tensor:
+        me, _ = transport.group_info(self._group)
+        return self._gather.wait()[me - self._step]  # negative: wraps around the ring, as torch's chunk index does
 
 
 def _slow_link_share(topology: topo.Topology, group_ranks: list[int], rank: int) -> float:
@@ -315,34 +368,35 @@ def _resolve_agreed(spec: str | None) -> topo.Topology:
     return topology
 
 
-_ACTIVE: CocodiffBackend | None = None
+def heads(tensors: Sequence[torch.Tensor], levels: Sequence[int], layout: Sequence[int]) -> torch.Tensor:
+    """Same-shaped ``[b, h, s, d]`` tensors as one contiguous ``[*levels in layout order, n, b, h/W, s, d]``.
 
-
-def activate(group: dist.ProcessGroup, options: Options) -> CocodiffBackend:
-    """Make this process's Ulysses exchanges go through cocodiff (collective over the world).
-
-    Re-activating with the same group and options keeps the backend (its sub-groups and tuned
-    decisions): xfuser may rebuild its runtime state several times for one model.
+    The Ulysses input exchange sends head block g of every tensor to group rank g. xfuser builds its
+    destination-major input with ``torch.stack`` and ``permute(...).contiguous()`` (two passes over
+    the data), and TAPA's first phase would then re-block it by the innermost topology level (a
+    third); this writes each tensor once, straight into the order the chosen exchange sends.
+    ``levels``: the group's topology levels (outermost first, product W; ``(W,)`` for a flat
+    exchange), the destination rank ``g = ravel(g_0, ...)`` owning head block g; ``layout``: the
+    memory order of the level dims (``0, 1, ...`` is destination-major, xfuser's order; TAPA's
+    first phase: :meth:`~cocodiff_xfuser.comm.tapa.HierarchicalAllToAll.input_layout`). The copy is
+    counted (:func:`cocodiff_xfuser.commstats.ran`, ``copied_bytes``).
     """
-    global _ACTIVE
-    if _ACTIVE is not None and _ACTIVE.group is group and _ACTIVE.options == options:
-        return _ACTIVE
-    _ACTIVE = CocodiffBackend(group, options)
-    logger.info("cocodiff: %s", _ACTIVE.describe())
-    return _ACTIVE
+    b, h, s, d = tensors[0].shape
+    world, k = int(torch.Size(levels).numel()), len(levels)
+    out = tensors[0].new_empty([levels[j] for j in layout] + [len(tensors), b, h // world, s, d])
+    for i, t in enumerate(tensors):
+        # [b, h, s, d] -> [b, *levels, h/W, s, d] -> [*levels in layout order, b, h/W, s, d]
+        blocks = t.view(b, *levels, h // world, s, d).permute(*(1 + j for j in layout), 0, k + 1, k + 2, k + 3)
+        out.select(k, i).copy_(blocks)
+    commstats.count_copy(out.numel() * out.element_size())
+    return out
 
 
-def deactivate() -> None:
-    global _ACTIVE
-    _ACTIVE = None
-
-
-def active() -> CocodiffBackend | None:
-    return _ACTIVE
-
-
-@atexit.register
-def _save_active_decisions() -> None:
-    # The live backend's decisions, once (a backend replaced during the run wrote nothing).
-    if _ACTIVE is not None:
-        _ACTIVE.save_decisions()
+def sequence(exchanged: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The source-major exchange result ``[W, n, b, h/W, s, d]`` as ``n`` tensors ``[b, h/W, W*s, d]``
+    (what attention reads; the copy is counted)."""
+    world, _, b, local_heads, s, d = exchanged.shape
+    # [W, n, b, h/W, s, d] -> [n, b, h/W, W, s, d] -> [n, b, h/W, W*s, d]
+    out = exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, world * s, d)
+    commstats.count_copy(out.numel() * out.element_size())
+    return torch.unbind(out, dim=0)
