@@ -100,7 +100,8 @@ _ring_unrouted: str | None = None
 def _routed_rotater(original):
     def _create_rotater(pg, seq_dim, method=None):
         exchanger = job.exchanger()
-        if exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group:
+        # A method named by the caller is torch's backward pass (gradients move between steps): stock.
+        if exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group or method is not None:
             return original(pg, seq_dim, method)
         return exchanger.ring_rotater(pg)
 
