@@ -97,18 +97,20 @@ class Exchanger:
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
         self._slow_share = _slow_link_share(self.topology, dist.get_process_group_ranks(group), self.rank)
-        # Ring peers on other nodes: each receives this rank's K/V over the slow links.
-        self._ring_slow_peers = 0 if ring_group is None else round(
-            _slow_link_share(self.topology, dist.get_process_group_ranks(ring_group), self.rank) * dist.get_world_size(ring_group)
-        )
+        # The ring ranks on other nodes than this rank's: each receives its K/V over the slow links.
+        self.ring_remote = () if ring_group is None else _remote_members(self.topology, transport.group_ranks(ring_group), self.rank)
+        # V-Major on the ring of the transformer that runs (:class:`~cocodiff_xfuser.vmajor.ring.Ring`,
+        # set as each transformer call starts), or None: the ring's K/V are gathered exactly.
+        self.ring_v_major = None
         slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
         v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
         if not self._slow_share and self.rank == 0:
             # The layout put the slow links outside Ulysses (ring or CFG across nodes): one line for the job.
             idle = "V-Major and fp8-slow have" if self.levels else "TAPA, V-Major and fp8-slow have"
-            logger.warning("cocodiff: the Ulysses %s stays inside one node (topology %s): %s nothing to do "
-                           "there; the groups across nodes (ring, CFG) exchange as stock", self._group_desc,
-                           self.topology, idle)
+            across = ("the ring's K/V cross nodes as V-Major's step residuals, CFG as stock" if v_major and self.ring_remote
+                      else "the groups across nodes (ring, CFG) exchange as stock")
+            logger.warning("cocodiff: the Ulysses %s stays inside one node (topology %s): %s nothing to do there; %s",
+                           self._group_desc, self.topology, idle, across)
         self.slow_level = self._slow_level(groups, "V-Major" if v_major else "fp8-slow") if v_major or slow_only else None
         self.autotune = AutoAllToAll(Registry(tapa), a2a=options.a2a)
         self._pending: list[Exchange] = []
@@ -122,7 +124,8 @@ class Exchanger:
         builds their sub-groups)."""
         level = sparse.build_slow_levels(self.topology, groups)[transport.group_ranks(self.group)]
         if not level.exists:  # said in one line for the job at activation
-            commstats.count_fallback(f"{user.lower()}: no slow level")
+            if not (user == "V-Major" and self.ring_remote):  # else the ring's K/V carry it across nodes
+                commstats.count_fallback(f"{user.lower()}: no slow level")
             return None
         return level
 
@@ -298,29 +301,42 @@ class Exchanger:
         out = self.finish(lambda: self.autotune.run(algorithm, flat, self.group), label, algorithm)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 
-    def ring_rotater(self, group: dist.ProcessGroup) -> RingRotater:
-        """torch's ring-attention rotater for ``group`` (the ring group), through this exchanger."""
-        return RingRotater(self, group)
+    def ring_rotater(self, group: dist.ProcessGroup, row: int | None = None) -> RingRotater:
+        """torch's ring-attention rotater for ``group`` (the ring group), through this exchanger
+        (``row``: the elements of one token of K and of V, where they are alike)."""
+        return RingRotater(self, group, row)
 
     @torch.compiler.disable
-    def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
-        """Start the all-gather of ``buffer`` over the ring ``group``: ``[ring size, n]`` (:mod:`.comm.ring`)."""
-        label, algorithm = "ring", "ring all-gather"
-        nbytes = buffer.numel() * buffer.element_size() * self._ring_slow_peers
-        commstats.count_exchange(algorithm, label, slow_link_bytes=nbytes, slow_link_bytes_exact=nbytes)
-        started = self.finish(lambda: ring.RingGather(buffer, group), label, algorithm)
-        return Exchange(self, started, (dist.get_world_size(group), buffer.numel()), label, algorithm)
+    def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup, row: int | None = None) -> Exchange:
+        """Start the all-gather of ``buffer`` over the ring ``group``: ``[ring size, n]``
+        (:mod:`.comm.ring`); under V-Major on the ring, peers on other nodes exchange step residuals."""
+        label = "ring"
+        step = self.ring_v_major.begin(buffer, row) if self.ring_v_major is not None and self.ring_remote else None
+        remote = None if step is None else step.remote
+        algorithm = "ring all-gather" if remote is None else "ring v-major"
+        exact = buffer.numel() * buffer.element_size() * len(self.ring_remote)
+        commstats.count_exchange(algorithm, label, slow_link_bytes=exact if step is None else step.slow_bytes, slow_link_bytes_exact=exact)
+        gather = self.finish(lambda: ring.RingGather(buffer, group, remote), label, algorithm)
+        finish = None if step is None else lambda out: step.finish(out, gather.received)
+        return Exchange(self, gather, (dist.get_world_size(group), buffer.numel()), label, algorithm, finish)
 
     def close(self) -> None:
         """The job ended or fell back to stock: nothing starts here any more."""
         self.closed = True
+
+    def _v_major_on(self) -> str:
+        """Which exchanges V-Major's settings apply to: those that cross nodes."""
+        on = [name for name, crosses in (("Ulysses", self.slow_level), ("the ring", self.ring_remote)) if crosses]
+        if not self.options.v_major or not on:
+            return "off"
+        return f"on {' and '.join(on)}: {self.options.v_major.describe()}"
 
     def describe(self) -> str:
         plan = "x".join(map(str, self.levels)) if self.levels else "flat only"
         return (
             f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
             f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
-            f"V-Major {self.options.v_major.describe() if self.slow_level and self.options.v_major else 'off'}, "
+            f"V-Major {self._v_major_on()}, "
             f"compression {self.options.compress}, "
             f"timeout {self.options.timeout_s:g} s"
         )
@@ -331,15 +347,15 @@ class RingRotater:
     exchanger: like torch's default, the first buffer is all-gathered once (:meth:`Exchanger.start_ring`)
     and step ``i`` reads ring rank ``rank - i``'s block, so attention sees the bytes it would."""
 
-    def __init__(self, exchanger: Exchanger, group: dist.ProcessGroup) -> None:
-        self._exchanger, self._group = exchanger, group
+    def __init__(self, exchanger: Exchanger, group: dist.ProcessGroup, row: int | None) -> None:
+        self._exchanger, self._group, self._row = exchanger, group, row
         self._gather: Exchange | None = None
         self._step = 0
 
     def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
         self._step += 1
         if self._gather is None:
-            self._gather = self._exchanger.start_ring(curr_buffer, self._group)
+            self._gather = self._exchanger.start_ring(curr_buffer, self._group, self._row)
 
     def next_buffer(self) -> torch.Tensor:
         me, _ = transport.group_info(self._group)
@@ -349,9 +365,14 @@ class RingRotater:
 def _slow_link_share(topology: topo.Topology, group_ranks: list[int], rank: int) -> float:
     """The share of an equal-split exchange that ``rank`` sends over the topology's outermost
     level (nodes): to the group members on other nodes."""
-    node, _ = topology.nodes_and_lanes(group_ranks)
-    mine = node[group_ranks.index(rank)]
-    return sum(n != mine for n in node) / len(group_ranks)
+    return len(_remote_members(topology, group_ranks, rank)) / len(group_ranks)
+
+
+def _remote_members(topology: topo.Topology, group_ranks: Sequence[int], rank: int) -> tuple[int, ...]:
+    """The group ranks (positions in ``group_ranks``) on other nodes than ``rank``'s."""
+    node, _ = topology.nodes_and_lanes(list(group_ranks))
+    mine = node[list(group_ranks).index(rank)]
+    return tuple(j for j, n in enumerate(node) if n != mine)
 
 
 def _resolve_agreed(spec: str | None) -> topo.Topology:

@@ -69,8 +69,9 @@ V_MAJOR_EXACT = {
     }
 }
 BACKENDS = ("ulysses", "cocodiff", "cocodiff+vfirst", *V_MAJOR_EXACT)
-#: What the ring attention's K/V exchange counts as (:meth:`cocodiff_xfuser.exchanger.Exchanger.start_ring`).
-RING = "ring all-gather"
+#: What the ring attention's K/V exchange counts as (:meth:`cocodiff_xfuser.exchanger.Exchanger.start_ring`):
+#: exact, or with V-Major's sparse messages to peers on other nodes.
+RING, RING_V_MAJOR = "ring all-gather", "ring v-major"
 
 
 def _spans_nodes(layout: str) -> bool:
@@ -80,10 +81,13 @@ def _spans_nodes(layout: str) -> bool:
 
 def _backends(layout: str) -> tuple[str, ...]:
     """Where the Ulysses groups stay inside a node (Ulysses x Ring and Ulysses x CFG across nodes),
-    TAPA and V-Major have nothing to do (V-Major falls back and says so: tests/tools/test_check.py),
-    and cocodiff there is V-First's processors over the forced flat exchange (and the ring's K/V
-    through cocodiff): stock and that variant only."""
-    return BACKENDS if _spans_nodes(layout) else ("ulysses", "cocodiff+vfirst")
+    TAPA and V-Major have nothing to do on them (V-Major falls back and says so:
+    tests/tools/test_check.py), and cocodiff there is V-First's processors over the forced flat
+    exchange and the ring's K/V through cocodiff; where the ring crosses the nodes, V-Major runs on
+    the ring's K/V."""
+    if _spans_nodes(layout):
+        return BACKENDS
+    return ("ulysses", "cocodiff+vfirst", *(V_MAJOR_EXACT if LAYOUTS[layout][1] > 1 else ()))
 
 
 VARIANT_CASES = [(model, layout, variant) for model, layout in CASES for variant in _backends(layout)[1:]]
@@ -158,19 +162,23 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
 def _assert_ring_ran(ran: dict, layout: str) -> None:
     """With a ring, the ring attention's K/V went through cocodiff's exchange (one per ring attention call)."""
     if LAYOUTS[layout][1] > 1:
-        assert ran["exchanges"].get(RING, 0) > 0 and ran["labels"].get("ring") == ran["exchanges"][RING], ran
+        ring = ran["exchanges"].get(RING, 0) + ran["exchanges"].get(RING_V_MAJOR, 0)
+        assert ran["exchanges"].get(RING, 0) > 0 and ran["labels"].get("ring") == ring, ran
     else:
-        assert RING not in ran["exchanges"], ran
+        assert RING not in ran["exchanges"] and RING_V_MAJOR not in ran["exchanges"], ran
 
 
 def _assert_v_major_ran(ran: dict, layout: str) -> None:
-    """Where the Ulysses groups span both nodes (the only layouts V-Major's variant runs on)."""
+    """Where the Ulysses groups span both nodes, on their exchanges; where the ring does, on its K/V."""
+    assert ran["fallbacks"] == {} and ran["v_first_calls"] > 0 and ran["v_major"]["tokens"] > 0, ran
+    if not _spans_nodes(layout):  # the ring's sparse messages ran, the Ulysses exchanges stayed exact
+        assert ran["exchanges"].get(RING_V_MAJOR, 0) > 0 and not ran["v_major_sparse"], ran
+        return
     flags = LAYOUTS[layout][4]
     sparse = {"v-major two-phase"} if "--cocodiff_a2a" in flags else {"v-major one-phase", "v-major two-phase"}
     assert set(ran["exchanges"]) & sparse and ran["v_major"]["tokens"] > 0, ran
     # V's sparse rows rode in Q/K's exchange (one input exchange per layer at a sparse step).
     assert set(ran["v_major_sparse"]) == {"qk+v", "o"}, ran
-    assert ran["fallbacks"] == {} and ran["v_first_calls"] > 0, ran
 
 
 @pytest.mark.parametrize("model, layout", [case for case in CASES if case[1] not in DEVICE_SEMANTICS])

@@ -119,23 +119,35 @@ def _layer(**overrides) -> policy.Layer:
     return policy.Layer(clock, VMajorSettings.load(warmup_steps=1, **overrides))
 
 
+def _count(layer: policy.Layer, step: int, s: int) -> int | None:
+    return policy.count(layer.settings, layer.clock, layer.index, step, s)
+
+
+def _select(layer: policy.Layer, v: torch.Tensor, reference: torch.Tensor, k: int | None) -> torch.Tensor:
+    return policy.select(layer.settings.rule, v, reference, k, dims=(0, 1, 3, 5))
+
+
 def test_selection_policies():
     # [W, n, b, h/W, s, d] with token i changed by i/10 relative to the reference.
     reference = torch.ones(2, 1, 1, 2, 10, 4)
     v = reference * (1 + torch.arange(10.0) / 10)[:, None]
     threshold = _layer(policy="threshold", threshold=0.45)
-    assert threshold._count(1, 10) is None  # the data decides the count
-    assert threshold._select(v, reference, None).tolist() == [5, 6, 7, 8, 9]
+    assert _count(threshold, 1, 10) is None  # the data decides the count
+    assert _select(threshold, v, reference, None).tolist() == [5, 6, 7, 8, 9]
     top = _layer(policy="top-k", fraction=0.3)
-    assert sorted(top._select(v, reference, top._count(1, 10)).tolist()) == [7, 8, 9]
-    l1 = _layer(policy="threshold", metric="l1", threshold=0.25)._select(v, reference, None)
+    assert sorted(_select(top, v, reference, _count(top, 1, 10)).tolist()) == [7, 8, 9]
+    l1 = _select(_layer(policy="threshold", metric="l1", threshold=0.25), v, reference, None)
     assert l1.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    # The ring's K/V ([K|V, tokens, row]) rank their tokens by the same metrics.
+    ring = reference[0, 0, 0].expand(2, 10, 4)  # [2, 10, 4]
+    changed = ring * (1 + torch.arange(10.0) / 10)[:, None]
+    assert sorted(policy.select(top.settings.rule, changed, ring, 3, dims=(0, 2)).tolist()) == [7, 8, 9]
 
 
 def test_schedule_raises_the_cached_share(monkeypatch):
     monkeypatch.setattr(policy, "_total_steps", lambda: 5)
     layer = _layer(policy="schedule", final_cached=0.8)
-    assert [layer._count(s, 10) for s in range(1, 5)] == [8, 6, 4, 2]  # cached 0.2 ... 0.8 after one warm-up step
+    assert [_count(layer, s, 10) for s in range(1, 5)] == [8, 6, 4, 2]  # cached 0.2 ... 0.8 after one warm-up step
 
 
 def test_budget_share_is_the_fewest_tokens_meeting_the_error():
@@ -247,3 +259,34 @@ def test_auto_decides_in_the_first_call_and_keeps_its_decision(tmp_path):
     else:
         assert first["v_major_sparse"]["qk+v"] > 4 * layers * ranks, first  # sparse in the later calls too
 
+
+
+def test_ring_peers_hold_what_the_sender_references():
+    """V-Major on the ring's K/V: after an exact step, a sparse step's message (the selected
+    tokens' change as fp8, behind their indices) turns the receiver's copy into exactly the
+    sender's reference, the error left for the next step (error feedback)."""
+    from cocodiff_xfuser.comm import residuals, sparse, transport
+    from cocodiff_xfuser.vmajor import ring
+
+    torch.manual_seed(0)
+    x0 = torch.randn(2, 6, 4)  # [K|V, tokens, row]
+    sender, receiver = ring._Caches(), ring._Caches()
+    ring.RingStep(sender, x0.clone(), (1,), None, None, None)  # exact: the sender's reference is (a copy of) x0
+    out = torch.stack([torch.zeros(48), x0.flatten()])  # what the receiver (ring rank 0) gathered
+    ring.RingStep(receiver, torch.zeros_like(x0), (1,), None, None, None).finish(out, {})
+    assert torch.equal(sender.reference, x0) and torch.equal(receiver.held[1], x0)
+
+    x1 = x0 + 0.1 * torch.randn_like(x0)
+    active = torch.tensor([4, 1])
+    fp8 = torch.float8_e4m3fn
+    sent = residuals.encode(x1, sender.reference, active, 1, fp8)
+    step = ring.RingStep(sender, x1, (0,), sparse.Selection.fixed(active, 2), sent, fp8)
+    assert step.slow_bytes == 2 * 4 + 2 * 2 * 4  # int32 indices, then 2 tokens' K and V rows in fp8
+    message = [transport.comm_view(p).view(-1).view(torch.uint8).clone() for p in step.remote.pieces]
+    assert [len(m) for m in message] == list(step.remote.sizes[0])
+    got = ring.RingStep(receiver, torch.zeros_like(x0), (1,), sparse.Selection.fixed(active, 2), None, fp8).finish(
+        torch.stack([torch.zeros(48), torch.zeros(48)]), {1: message})
+    assert torch.equal(receiver.held[1], sender.reference) and torch.equal(got[1].view(2, 6, 4), sender.reference)
+    untouched = [0, 2, 3, 5]
+    assert torch.equal(receiver.held[1][:, untouched], x0[:, untouched])
+    assert (sender.reference - x1)[:, [1, 4]].norm() < 0.1 * (x1 - x0)[:, [1, 4]].norm()  # fp8's rounding is left

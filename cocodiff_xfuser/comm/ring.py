@@ -7,10 +7,14 @@ all-gathers the first step's buffer once (``all_gather_single``) and hands step 
 ring rank ``rank - i``. :class:`RingGather` is that all-gather as one batch of the transport: every
 ring peer receives this rank's buffer and this rank theirs, so the same bytes land in the same
 places, under the one program order, device semantics and the timeout every other exchange has.
+
+Peers on other nodes may receive another message instead of the buffer (:class:`Remote`: V-Major's
+step residuals of the K/V they already hold); the caller turns those messages into their rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,18 +22,35 @@ import torch
 from . import transport
 
 
+@dataclass(frozen=True)
+class Remote:
+    """What the ring peers in ``peers`` (ring ranks) exchange instead of the buffer: this rank's
+    ``pieces`` (contiguous, each sent as its bytes) and, per peer, the byte sizes of the pieces it sends."""
+
+    peers: tuple[int, ...]
+    pieces: tuple[torch.Tensor, ...]
+    sizes: dict[int, tuple[int, ...]]
+
+
 class RingGather:
     """The all-gather of ``buffer`` (any shape, flattened) over the ring ``group``, in flight from
-    creation; :meth:`wait` gives ``[ring size, buffer.numel()]``, row ``r`` ring rank ``r``'s buffer."""
+    creation; :meth:`wait` gives ``[ring size, buffer.numel()]``, row ``r`` ring rank ``r``'s buffer.
+    With ``remote``, the rows of its peers are left unwritten: their pieces are in :attr:`received`
+    (peer -> byte tensors) once :meth:`wait` returns."""
 
-    def __init__(self, buffer: torch.Tensor, group: Any) -> None:
+    def __init__(self, buffer: torch.Tensor, group: Any, remote: Remote | None = None) -> None:
         me, size = transport.group_info(group)
         data = transport.comm_view(buffer).view(-1)  # [n], fp8 as its bytes
         self._dtype = buffer.dtype
         self._out = data.new_empty(size, data.numel())  # [source ring rank, n]
         transport.copy_own(self._out[me], data)
-        # Indexed by ring rank: each peer's row in, this rank's buffer out (own entries are left alone).
-        self._done = transport.post([[row] for row in self._out], [[data]] * size, group, "ring", "ring K/V", (data, self._out))
+        far = remote.peers if remote is not None else ()
+        self.received = {j: [data.new_empty(n, dtype=torch.uint8) for n in remote.sizes[j]] for j in far}
+        message = [transport.comm_view(p).view(-1).view(torch.uint8) for p in remote.pieces] if far else []
+        # Indexed by ring rank: each peer's row (or pieces) in, this rank's buffer (or message) out.
+        recv = [self.received[j] if j in far else [row] for j, row in enumerate(self._out)]
+        send = [message if j in far else [data] for j in range(size)]
+        self._done = transport.post(recv, send, group, "ring", "ring K/V", (data, self._out, *message))
 
     def advance(self) -> bool:
         return True  # one phase, posted at creation

@@ -162,7 +162,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 _INDEX_BYTES = 4
 
 
-def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def view_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Received bytes (a piece, or pieces ``[n, bytes]``) as ``dtype``, copied first where they start
     off its alignment (relayed pieces, pieces of sizes it does not divide)."""
     aligned = data.storage_offset() % dtype.itemsize == 0 and (data.dim() == 1 or data.stride(0) % dtype.itemsize == 0)
@@ -396,11 +396,11 @@ class SparseHandle:
         elif every:
             active = self._in_order().view(1, k)
         else:
-            active = _view(pieces[:, :index], torch.int32).long()
+            active = view_bytes(pieces[:, :index], torch.int32).long()
         if self.peers is not None:  # one row of indices per source, or one that all share
             for i, j in enumerate(sources):
                 self.peers[j] = active[i if active.shape[0] > 1 else 0]
-        rows = _view(pieces[:, index:], self._rows_dtype).view(n, p, k, self._width)
+        rows = view_bytes(pieces[:, index:], self._rows_dtype).view(n, p, k, self._width)
         # Row (j, plane, token) of ``into`` as one index: (j * P + plane) * s + token.
         at = (_plane_rows(tuple(sources), p, s, into.device) + active.view(-1, 1, k)).view(-1)
         residuals.apply(into.view(-1, d), rows.reshape(-1, d), at, 0, self._residual)
@@ -419,10 +419,10 @@ class SparseHandle:
             active, index = None, 0
         else:
             index = k * _INDEX_BYTES
-            active = _view(piece[:index], torch.int32).long()
+            active = view_bytes(piece[:index], torch.int32).long()
         if self.peers is not None:
             self.peers[j] = self._in_order() if every else active
-        rows = _view(piece[index:], self._rows_dtype).view(into.shape[1], k, self._width)
+        rows = view_bytes(piece[index:], self._rows_dtype).view(into.shape[1], k, self._width)
         if self._decode is not None:
             rows = self._decode(rows)
         residuals.apply(into[j], rows, None if every else active, 1, self._residual)

@@ -14,7 +14,7 @@ import torch
 
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
-from cocodiff_xfuser.vmajor import policy
+from cocodiff_xfuser.vmajor import policy, ring
 from cocodiff_xfuser.processors import flux, flux2, hunyuan_video, pixart, qwen_image, sd3, wan
 from cocodiff_xfuser.settings import VMajorSettings
 
@@ -119,12 +119,28 @@ def install(transformer: torch.nn.Module, exchanger: Exchanger, v_major: VMajorS
 
 
 def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings: VMajorSettings) -> None:
+    """V-Major on the exchanges of ``transformer`` that cross nodes: each V-First processor's (the
+    Ulysses group spans nodes) and the ring's K/V (the ring group does), on one step clock."""
     clock = transformer.__dict__.get("_cocodiff_clock")
     if clock is None:
-        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, exchanger.group, settings)
-    ours = tuple(replacements().values())
-    for module in transformer.modules():
-        processor = getattr(module, "processor", None)
-        if isinstance(processor, ours) and processor.v_major is None:
-            processor.v_major = policy.Layer(clock, settings)
-    logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
+        # The ring's counts must be known to ring peers in every Ulysses group: agreed over the world.
+        group = None if exchanger.ring_remote else exchanger.group
+        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, group, settings)
+    if exchanger.slow_level is not None:
+        ours = tuple(replacements().values())
+        for module in transformer.modules():
+            processor = getattr(module, "processor", None)
+            if isinstance(processor, ours) and processor.v_major is None:
+                processor.v_major = policy.Layer(clock, settings)
+        logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
+    if exchanger.ring_remote:
+        if "_cocodiff_ring" not in transformer.__dict__:
+            # The exchanger runs one transformer's ring at a time: the one that is called.
+            transformer.register_forward_pre_hook(_use_ring)
+        transformer._cocodiff_ring = (exchanger, ring.Ring(clock, settings, exchanger.ring_group, exchanger.ring_remote))
+        logger.info("cocodiff: V-Major on the ring's K/V across nodes: %s", settings.describe())
+
+
+def _use_ring(transformer: torch.nn.Module, args: tuple) -> None:
+    exchanger, steps = transformer._cocodiff_ring
+    exchanger.ring_v_major = steps

@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     e2e.add_argument("--repeat", type=int, default=bench_e2e.DEFAULT_REPEAT, help="timed pipeline calls per configuration")
     e2e.add_argument("--configs", default=None, help=f"cocodiff's mechanisms, comma-separated, besides the stock layouts "
                      f"and the fair flat exchange; default: all of {','.join(bench_e2e.MECHANISMS)}")
+    e2e.add_argument("--only", default=None, metavar="NAMES", help="only these configurations, comma-separated, by the "
+                     "report's names (e.g. 'stock U2xR2,tapa+vfirst+vmajor U2xR2'); stock over all ranks and on each "
+                     "kept layout always run")
     e2e.add_argument("--no-floor", action="store_true", help="skip the runs with unlimited links (the report then "
                      "cannot state how much of a step the links add)")
     return parser

@@ -71,7 +71,7 @@ class Layer:
         if isinstance(settings.rule, Budget) and reference is not None:
             share, ranked = share_needed(squared_change(v, reference), v, settings.rule.error)
             clock.need(self.index, share)
-        k = None if reference is None else self._count(step, s)
+        k = None if reference is None else count(settings, clock, self.index, step, s)
         if (
             step < settings.warmup_steps
             or (isinstance(settings.rule, Budget) and clock.shares_now() is None)  # nothing measured yet
@@ -91,7 +91,8 @@ class Layer:
         if k is not None and k >= s:  # every token, as residuals: in order, so no index travels
             active = torch.arange(s, device=v.device)
         else:
-            active = ranked[s - k:] if ranked is not None else self._select(v, reference, k)
+            # Ranked by change over all but batch and token.
+            active = ranked[s - k:] if ranked is not None else select(settings.rule, v, reference, k, dims=(0, 1, 3, 5))
         commstats.count_v_major(step, self.index, active.numel(), s)
         # Every rank's count: fixed by the policy and the step, or (threshold) agreed here, at V's
         # exchange, the same program point on every rank; Q/K's and the output's reuse it.
@@ -100,37 +101,40 @@ class Layer:
         selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, clock.agreement_group())
         return Step(self, caches, active, selection)
 
-    def _count(self, step: int, s: int) -> int | None:
-        """How many of its ``s`` tokens this rank sends at ``step``, where the policy fixes it (the
-        same on every rank); None for ``threshold``, whose count the data decides."""
-        rule = self.settings.rule
-        if isinstance(rule, TopK):
-            return math.ceil(rule.fraction * s)
-        if isinstance(rule, Schedule):
-            ramp = max(_total_steps() - self.settings.warmup_steps, 1)
-            cached = rule.final_cached * min((step - self.settings.warmup_steps + 1) / ramp, 1.0)
-            return math.ceil((1.0 - cached) * s)
-        shares = self.clock.shares_now() if isinstance(rule, Budget) else None
-        if shares is not None:
-            return min(math.ceil(shares[self.index] * s), s)
-        return None
 
-    def _select(self, v: torch.Tensor, reference: torch.Tensor, k: int | None) -> torch.Tensor:
-        """The active tokens of the policies that rank by a metric (threshold, top-k, schedule):
-        indices into this rank's tokens (``k`` of them where the policy fixes the count, on the
-        device without a host synchronization)."""
-        rule = self.settings.rule
-        dims = (0, 1, 3, 5)  # all but batch and token
-        diff = (v - reference).float()
-        if rule.metric == "l1":
-            change = diff.abs().mean(dim=dims)
-        else:
-            norm = torch.linalg.vector_norm(reference.float(), dim=dims)
-            change = torch.linalg.vector_norm(diff, dim=dims) / norm.clamp_min(torch.finfo(torch.float32).tiny)
-        change = change.amax(0)  # [s]: the largest change over the batch
-        if k is None:
-            return (change > rule.threshold).nonzero().flatten()
-        return change.topk(k).indices
+
+def count(settings: VMajorSettings, clock: Clock, layer: int, step: int, s: int) -> int | None:
+    """How many of its ``s`` tokens a rank sends at ``step`` in ``layer`` (its index on ``clock``),
+    where the policy fixes it (the same on every rank); None for ``threshold``, whose count the data
+    decides."""
+    rule = settings.rule
+    if isinstance(rule, TopK):
+        return math.ceil(rule.fraction * s)
+    if isinstance(rule, Schedule):
+        ramp = max(_total_steps() - settings.warmup_steps, 1)
+        cached = rule.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
+        return math.ceil((1.0 - cached) * s)
+    shares = clock.shares_now() if isinstance(rule, Budget) else None
+    if shares is not None:
+        return min(math.ceil(shares[layer] * s), s)
+    return None
+
+
+def select(rule: Any, x: torch.Tensor, reference: torch.Tensor, k: int | None, dims: tuple[int, ...]) -> torch.Tensor:
+    """The active tokens of the policies that rank by a metric (threshold, top-k, schedule): indices
+    into the last dim left after reducing ``dims`` (``k`` of them where the policy fixes the count,
+    on the device without a host synchronization); a token's change is its largest over the dims
+    left (the batch)."""
+    diff = (x - reference).float()
+    if rule.metric == "l1":
+        change = diff.abs().mean(dim=dims)
+    else:
+        norm = torch.linalg.vector_norm(reference.float(), dim=dims)
+        change = torch.linalg.vector_norm(diff, dim=dims) / norm.clamp_min(torch.finfo(torch.float32).tiny)
+    change = change.reshape(-1, change.shape[-1]).amax(0)  # [s]
+    if k is None:
+        return (change > rule.threshold).nonzero().flatten()
+    return change.topk(k).indices
 
 
 def squared_change(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

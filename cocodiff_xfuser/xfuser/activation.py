@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import math
 import types
 
 from cocodiff_xfuser import commstats, compat, padding
@@ -95,6 +96,9 @@ def route_all_to_all(usp: types.ModuleType) -> None:
 
 # Why the ring's K/V cannot go through cocodiff in this process (None: they do, under cocodiff).
 _ring_unrouted: str | None = None
+# The ring-attention call in progress: the elements of one token of its K and of its V (None:
+# none in progress, or K and V differ in shape).
+_ring_row: int | None = None
 
 
 def _routed_rotater(original):
@@ -103,15 +107,31 @@ def _routed_rotater(original):
         # A method named by the caller is torch's backward pass (gradients move between steps): stock.
         if exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group or method is not None:
             return original(pg, seq_dim, method)
-        return exchanger.ring_rotater(pg)
+        return exchanger.ring_rotater(pg, _ring_row)
 
     return _create_rotater
 
 
-def route_ring_exchange() -> None:
-    """xfuser's ring attention (torch's ``_templated_ring_attention`` on the ring group) moves K/V
-    through a rotater torch creates per call; under cocodiff, the ring group's is the exchanger's.
-    A torch without that hook keeps its own rotater (said once, when a job with a ring starts)."""
+def _ring_with_tokens(original):
+    """torch's rotater sees K and V only as one flat buffer: the call records where its tokens are."""
+
+    def _templated_ring_attention(group, seq_dim, op, query, key, value, **kwargs):
+        global _ring_row
+        outer = _ring_row
+        _ring_row = math.prod(key.shape[seq_dim + 1:]) if key.shape == value.shape else None
+        try:
+            return original(group, seq_dim, op, query, key, value, **kwargs)
+        finally:
+            _ring_row = outer
+
+    return _templated_ring_attention
+
+
+def route_ring_exchange(usp: types.ModuleType) -> None:
+    """xfuser's ring attention (``usp``'s ``_templated_ring_attention``, torch's, on the ring group)
+    moves K/V through a rotater torch creates per call; under cocodiff, the ring group's is the
+    exchanger's. A torch without that hook keeps its own rotater (said once, when a job with a ring
+    starts)."""
     global _ring_unrouted
     try:
         compat.torch_private(compat.RING_ATTENTION, "_create_rotater")
@@ -119,6 +139,7 @@ def route_ring_exchange() -> None:
         _ring_unrouted = str(e)
         return
     compat.wrap(importlib.import_module(compat.RING_ATTENTION), "_create_rotater", _routed_rotater)
+    compat.wrap(usp, "_templated_ring_attention", _ring_with_tokens)
 
 
 def _adapting_model_after(original, get_transformers):
@@ -148,7 +169,8 @@ def _adapting_model_after(original, get_transformers):
             if uneven is not None:
                 _check_padding_possible(uneven)
                 logger.warning("cocodiff: %s: zero heads padded up to a multiple (cocodiff's processors)", uneven)
-            v_major = exchanger.options.v_major if exchanger.slow_level is not None else None
+            # V-Major applies to whichever exchanges cross nodes: the Ulysses one, the ring's, or both.
+            v_major = exchanger.options.v_major if exchanger.slow_level is not None or exchanger.ring_remote else None
             for transformer in transformers:
                 families.install(transformer, exchanger, v_major)
             stock = sorted({name for t in transformers for name in families.stock_usp(t)})

@@ -53,7 +53,7 @@ def _before_ring_npu(module: types.ModuleType) -> None:
 def _after_usp(usp: types.ModuleType) -> None:
     devices.close_yunchang_gate(usp)
     activation.route_all_to_all(usp)
-    activation.route_ring_exchange()  # usp imported torch's ring attention
+    activation.route_ring_exchange(usp)
 
 
 #: module -> (before its body runs, after it ran). The yunchang gate is closed after a failed body too.

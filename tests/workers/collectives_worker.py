@@ -29,7 +29,7 @@ from cocodiff_xfuser.comm import faults, sparse, timing, transport
 from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
 from cocodiff_xfuser.comm.autotune import ALGORITHMS, AutoAllToAll, Registry, size_bucket
 from cocodiff_xfuser.comm.flat import FlatHandle, P2PHandle, flat_all_to_all, p2p_all_to_all, start_flat_all_to_all, start_p2p_all_to_all
-from cocodiff_xfuser.comm.ring import RingGather
+from cocodiff_xfuser.comm.ring import Remote, RingGather
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle, TwoLevelHandle
 from cocodiff_xfuser.comm.topology import Topology
 from cocodiff_xfuser.exchanger import heads, sequence
@@ -935,6 +935,26 @@ def case_ring() -> None:
             got = RingGather(x, group).wait()
             check(got.shape == (size, x.numel()) and got.dtype == dtype, f"ring gather shape {got.shape} {got.dtype}")
             check(same_bits(got.view(-1), want.view(dtype)), f"ring gather {groups} {dtype} {shape} != all_gather")
+    # Peers on the other node (ranks // 2 differ) exchange messages instead: pieces of every rank's
+    # own sizes (an empty one included), fp8 as its bytes; node-mates still get the buffer.
+    def own(r: int) -> torch.Tensor:
+        return torch.arange(6, dtype=torch.float32) + 10 * r
+
+    x = own(RANK)
+    remote = tuple(j for j in range(WORLD) if j // 2 != RANK // 2)
+
+    def pieces(r: int) -> tuple[torch.Tensor, ...]:
+        return (torch.arange(r, dtype=torch.int32), (torch.arange(r + 3, dtype=torch.uint8) + r).view(torch.float8_e4m3fn))
+
+    sizes = {j: tuple(p.numel() * p.element_size() for p in pieces(j)) for j in remote}
+    gather = RingGather(x, dist.group.WORLD, Remote(remote, pieces(RANK), sizes))
+    got = gather.wait()
+    for j in range(WORLD):
+        if j in remote:
+            want = [transport.comm_view(p).view(-1).view(torch.uint8) for p in pieces(j)]
+            check(all(torch.equal(a, b) for a, b in zip(gather.received[j], want)), f"ring message from {j}")
+        else:
+            check(same_bits(got[j], own(j)), f"ring row from node-mate {j}")
     saved, transport._launches = transport._launches, []
     try:
         xs = [rand_bits((64,), torch.bfloat16, 1390 + i) for i in range(3)]

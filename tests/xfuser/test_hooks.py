@@ -66,12 +66,13 @@ def test_the_ring_rotater_is_routed_and_stays_torchs_without_an_exchanger():
     import importlib
 
     import torch.distributed as dist
-    import xfuser.model_executor.layers.usp  # noqa: F401  (its load hook routes the rotater)
+    import xfuser.model_executor.layers.usp as usp  # its load hook routes the rotater
 
     from cocodiff_xfuser.xfuser import activation, job
 
     ring_attention = importlib.import_module(compat.RING_ATTENTION)
     assert compat.is_wrapped(ring_attention._create_rotater) and job.exchanger() is None
+    assert compat.is_wrapped(usp._templated_ring_attention)  # records where the call's tokens are
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert type(ring_attention._create_rotater(dist.group.WORLD, 2)).__name__ == "_AllGatherRotater"
@@ -85,7 +86,7 @@ def test_the_ring_rotater_is_routed_and_stays_torchs_without_an_exchanger():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(compat, "torch_private", lacking)
-            activation.route_ring_exchange()
+            activation.route_ring_exchange(usp)
         assert "_create_rotater not found" in activation._ring_unrouted
     finally:
         activation._ring_unrouted = saved

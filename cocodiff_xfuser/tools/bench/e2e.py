@@ -139,6 +139,9 @@ def configs_for(model: str, fabric_name: str, nodes: int, local: int, mechanisms
     if ON_EVERY_LAYOUT in mechanisms:
         configs += [Config(f"{ON_EVERY_LAYOUT} {lay.name}", lay, MECHANISMS[ON_EVERY_LAYOUT], ON_EVERY_LAYOUT)
                     for lay in layouts[1:]]
+    # Under Ulysses x Ring the ring's K/V cross the nodes: V-Major runs on them.
+    configs += [Config(f"{m} {lay.name}", lay, MECHANISMS[m], m) for lay in layouts[1:] if lay.ring > 1
+                for m in LOSSY if m in mechanisms]
     return configs, absent
 
 
@@ -215,7 +218,7 @@ def bench_e2e(
 ) -> dict:
     """The stock layouts, the fair flat exchange and cocodiff's ``mechanisms`` (default: all) on the
     fabric, side by side (``names``: only those of them, by the report's names; stock over all
-    ranks always runs); with ``floor``, each again with unlimited links."""
+    ranks and on each kept layout always runs); with ``floor``, each again with unlimited links."""
     unknown = sorted(set(mechanisms or ()) - set(MECHANISMS))
     if unknown:
         raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(MECHANISMS)}")
@@ -223,7 +226,12 @@ def bench_e2e(
         raise ValueError(f"unknown model {model!r}; choose from {', '.join(tiny_models.SPECS)}")
     configs, absent = configs_for(model, fabric_name, nodes, local, list(MECHANISMS) if mechanisms is None else mechanisms)
     if names is not None:
-        configs = [c for i, c in enumerate(configs) if i == 0 or c.name in names]
+        unknown = sorted(set(names) - {c.name for c in configs})
+        if unknown:
+            raise ValueError(f"--only: no configuration {', '.join(unknown)} here; choose from {', '.join(c.name for c in configs)}")
+        # Each kept configuration is compared with stock on its layout: that runs too.
+        compared = {c.layout for c in configs if c.name in names}
+        configs = [c for i, c in enumerate(configs) if i == 0 or c.name in names or (c.mechanism == "stock" and c.layout in compared)]
     params = {**REGIME_PARAMS[fabric_name], **(params or {})}
     fabric = Fabric(fabric_name, nodes, local, params=params, fabric_id=f"e{os.getpid() % 100000}")
     run = Run(model=model, ulysses_degree=fabric.world, topology=topology_for(fabric_name, nodes, local), steps=steps,
@@ -285,6 +293,7 @@ def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], abs
             "v_major_active_fraction": _active_fraction(r["ran"]),
             "speedup_vs_best_stock": reports[best]["seconds"] / r["seconds"],
             "speedup_vs_stock": reports[stock_un]["seconds"] / r["seconds"],
+            "speedup_vs_same_layout": reports[same_stock[config.layout]]["seconds"] / r["seconds"],
             "speedup_vs_fair": reports[fair]["seconds"] / r["seconds"] if fair else None,
             "floor_speedup_vs_best_stock": floors[best_floor]["seconds"] / floors[name]["seconds"] if floors else None,
             "exchanges_by_algorithm": r["ran"]["exchanges"],
@@ -334,7 +343,7 @@ def format_report(report: dict) -> str:
         + f"stock {report['configs'][0]['layout']} (the CoCoDiff paper's baseline)",
         *(f"not run: {line}" for line in report["layouts_not_run"]),
         f"{'config':<30} {'step ms':>8} {'floor ms':>8} {'links':>6} {'exposed':>8} {'slow KiB':>9} "
-        f"{'vs best':>8} {'vs fair':>8} {'vs U_N':>8} {'floor vs best':>13} {'exact':>6} {'PSNR dB':>8} {'V-Major':>8}",
+        f"{'vs best':>8} {'vs fair':>8} {'vs U_N':>8} {'vs same':>8} {'floor vs best':>13} {'exact':>6} {'PSNR dB':>8} {'V-Major':>8}",
     ]
     for c in report["configs"]:
         floor = "-" if c["floor_step_s"] is None else f"{c['floor_step_s'] * 1e3:.1f}"
@@ -344,10 +353,12 @@ def format_report(report: dict) -> str:
             f"{c['name'] + (' *' if c['name'] == report['best_stock'] else ''):<30} {c['step_s'] * 1e3:8.1f} {floor:>8} "
             f"{share:>6} {c['comm_exposed_s'] * 1e3:8.1f} {c['slow_link_bytes'] / 1024:9.0f} "
             f"{c['speedup_vs_best_stock']:7.2f}x {_ratio(c['speedup_vs_fair']):>8} {c['speedup_vs_stock']:7.2f}x "
+            f"{c['speedup_vs_same_layout']:7.2f}x "
             f"{floor_ratio:>13} {'yes' if c['bitwise_equal'] else 'no':>6} {c['psnr_db']:8.1f} "
             + ("" if c["v_major_active_fraction"] is None else f"{c['v_major_active_fraction']:7.0%} sent")
         )
-    lines.append("* the best lossless stock layout; exact: bitwise equal to the same stock layout; PSNR: against stock "
+    lines.append("* the best lossless stock layout; vs same: against stock on the same layout; exact: bitwise equal to "
+                 "the same stock layout; PSNR: against stock "
                  f"{report['configs'][0]['layout']}; links: the share of the step the links add (1 - floor / step)")
     return "\n".join(lines)
 
@@ -366,7 +377,8 @@ def run_cli(args) -> int:
     reports = []
     for nodes, local in shapes:
         report = bench_e2e(args.fabric, args.model, nodes, local, args.size, args.steps, args.repeat, params or None,
-                           args.timeout, args.configs.split(",") if args.configs else None, floor=not args.no_floor)
+                           args.timeout, args.configs.split(",") if args.configs else None, floor=not args.no_floor,
+                           names=args.only.split(",") if args.only else None)
         stem = f"e2e-{args.model}-{args.fabric}" + (f"-{nodes}x{local}" if args.shapes else "")
         (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
         if plots.available():

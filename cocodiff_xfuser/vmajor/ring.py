@@ -1,0 +1,172 @@
+"""V-Major on the ring's K/V: ring peers on other nodes receive each K/V block as its change since
+the copy they hold.
+
+Under Ulysses inside the node and Ring across nodes, the ring attention's K/V are the only per-layer
+traffic over the slow links, and adjacent denoising steps produce similar K and V as they do V. Each
+ring-attention call of a transformer call is a layer (the calls come in the same order at every
+step, on every rank). The buffer a rank gathers over the ring (its K, then its V, flattened) is read
+as tokens ``[2, T, row]`` (K|V, the tokens of the call in order, one token's elements); the policy
+selects tokens as it does for V (:mod:`.policy`, the counts on the transformer's clock), and the
+tokens travel to peers on other nodes through :mod:`cocodiff_xfuser.comm.residuals` (their change,
+in the residual dtype, with error feedback), node-mates getting the exact buffer. Every rank holds,
+per layer and per peer on another node, the copy of that peer's K/V it attends to, and, as a
+sender, the reference its peers on other nodes hold of its own.
+
+The counts every ring peer sends must be known to its receivers: the policies that fix them do so
+from the step and the clock's agreed shares (agreed over the world, which holds every ring group);
+``threshold`` agrees them per call over the ring group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm import residuals, sparse, transport
+from cocodiff_xfuser.comm.ring import Remote
+from cocodiff_xfuser.settings import Budget, Threshold, VMajorSettings
+from cocodiff_xfuser.vmajor.clock import Clock
+from cocodiff_xfuser.vmajor.policy import count, select, share_needed
+
+
+class Ring:
+    """V-Major on one transformer's ring: a :class:`RingLayer` per ring-attention call within one
+    transformer call, in call order. ``group``: the ring group; ``remote``: the ring ranks on other
+    nodes than this rank's."""
+
+    def __init__(self, clock: Clock, settings: VMajorSettings, group: Any, remote: tuple[int, ...]) -> None:
+        self.clock, self.settings, self.group, self.remote = clock, settings, group, remote
+        self.layers: list[RingLayer] = []
+        self._call: tuple[int, int, int] | None = None  # the transformer call the layer count is of
+        self._next = 0
+
+    def begin(self, buffer: torch.Tensor, row: int | None) -> RingStep | None:
+        """This call's step for ``buffer`` (K then V, each ``row`` elements per token); None: the
+        exact gather, nothing kept (V-Major off, a timed exact step, over the cache budget, or a
+        buffer that is not two equal halves of whole tokens)."""
+        clock = self.clock
+        now = (clock.call, clock.step, clock.branch)
+        if now != self._call:
+            self._call, self._next = now, 0
+        if self._next == len(self.layers):
+            self.layers.append(RingLayer(self))
+        layer = self.layers[self._next]
+        self._next += 1
+        if row is None or buffer.numel() % (2 * row):
+            commstats.count_fallback("v-major ring: K and V of different shapes")
+            return None
+        return layer.begin(buffer.view(2, -1, row))  # [K|V, T, row]
+
+
+@dataclass
+class _Caches:
+    """One ring layer's copies for one (pipeline call, branch), all ``[2, T, row]``."""
+
+    reference: torch.Tensor | None = None  # this rank's K/V as the peers on other nodes hold it
+    held: dict[int, torch.Tensor] = field(default_factory=dict)  # ring rank on another node -> its K/V here
+
+
+class RingLayer:
+    """V-Major's state of one ring-attention call of a transformer call."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.index = ring.clock.layers  # on the clock, beside the Ulysses layers
+        ring.clock.layers += 1
+        self._call = -1
+        self._caches: dict[int, _Caches] = {}
+
+    def _drop_caches(self) -> None:
+        self._caches = {}
+        self.ring.clock.budget.release(id(self))
+
+    def begin(self, x: torch.Tensor) -> RingStep | None:
+        """Decide this call's exchange of ``x`` (``[2, T, row]``)."""
+        ring, clock, settings = self.ring, self.ring.clock, self.ring.settings
+        if clock.off and self._caches:
+            self._drop_caches()
+        if clock.off or clock.exact_step():  # auto's exact steps keep the caches: they still match
+            return None
+        if clock.call != self._call:  # a new pipeline call: nothing carries over
+            self._call = clock.call
+            self._drop_caches()
+        caches = self._caches.get(clock.branch)
+        if caches is None or caches.reference is None or caches.reference.shape != x.shape:
+            nbytes = x.numel() * x.element_size() * (1 + len(ring.remote))
+            if not clock.budget.admit((id(self), clock.branch), nbytes, settings.budget_mib):
+                commstats.count_fallback("v-major: cache budget")
+                return None
+            caches = self._caches[clock.branch] = _Caches()
+        step, tokens = clock.step, x.shape[1]
+        reference, residual = caches.reference, settings.residual
+        ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
+        if isinstance(settings.rule, Budget) and reference is not None:
+            share, ranked = share_needed((x - reference).float().square().sum(dim=(0, 2)), x, settings.rule.error)
+            clock.need(self.index, share)
+        k = None if reference is None else count(settings, clock, self.index, step, tokens)
+        if step < settings.warmup_steps or (isinstance(settings.rule, Budget) and clock.shares_now() is None):
+            k = tokens
+        row_bytes = 2 * x.shape[2] * (residual or x.dtype).itemsize  # one token's K and V
+        if k is not None and residual is not None and sparse.whole_is_smaller(k, tokens, row_bytes):
+            k = tokens  # every token, without indices, is no more bytes
+        if (
+            reference is None
+            or (settings.refresh_every and step % settings.refresh_every == 0)
+            or (k is not None and k >= tokens and residual is None)  # every token as values: the exact gather
+        ):
+            commstats.count_v_major(step, self.index, tokens, tokens)
+            return RingStep(caches, x, ring.remote, None, None, residual)
+        if k is not None and k >= tokens:
+            active = torch.arange(tokens, device=x.device)  # every token, in order: no index travels
+        else:
+            active = ranked[tokens - k:] if ranked is not None else select(settings.rule, x, reference, k, dims=(0, 2))
+        commstats.count_v_major(step, self.index, active.numel(), tokens)
+        world = transport.group_info(ring.group)[1]
+        fixed = not isinstance(settings.rule, Threshold)
+        selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, ring.group)
+        return RingStep(caches, x, ring.remote, selection, residuals.encode(x, reference, active, 1, residual), residual)
+
+
+class RingStep:
+    """One ring layer call's exchange: exact (``selection`` None: every peer gets ``x``, and the
+    copies become what was gathered) or sparse (the peers on other nodes, ``peers``, get ``sent``:
+    the selected tokens as residuals in ``residual`` or as values, after their indices where not
+    every token)."""
+
+    def __init__(self, caches: _Caches, x: torch.Tensor, peers: tuple[int, ...], selection: sparse.Selection | None,
+                 sent: torch.Tensor | None, residual: torch.dtype | None) -> None:
+        self._caches, self._x, self._peers, self._selection, self._residual = caches, x, peers, selection, residual
+        self.remote: Remote | None = None  # what the gather sends the peers instead of the buffer
+        if selection is None:
+            caches.reference = x  # what the peers will hold (torch builds the buffer anew per call)
+            return
+        tokens, row_bytes = x.shape[1], 2 * x.shape[2] * (residual or x.dtype).itemsize
+        every = selection.active.numel() == tokens
+        sizes = {j: ((selection.counts[j] * 4,) if selection.counts[j] < tokens else ()) + (selection.counts[j] * row_bytes,)
+                 for j in peers}  # int32 indices ahead of the rows, where not every token
+        self.remote = Remote(peers, (sent,) if every else (selection.index_bytes, sent), sizes)
+
+    @property
+    def slow_bytes(self) -> int:
+        """The bytes this rank sends over the slow links (to its ring peers on other nodes)."""
+        pieces = (self._x,) if self.remote is None else self.remote.pieces
+        return sum(p.numel() * p.element_size() for p in pieces) * len(self._peers)
+
+    def finish(self, out: torch.Tensor, received: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """The gathered ``[ring size, n]`` with each peer's row: at an exact step, as gathered (the
+        copy this rank holds becomes it); at a sparse one, the copy updated by what the peer sent."""
+        held, shape = self._caches.held, self._x.shape
+        if self._selection is None:
+            for j in self._peers:
+                held[j] = out[j].view(shape).clone()
+            return out
+        dtype = self._residual or self._x.dtype
+        for j, pieces in received.items():
+            rows = sparse.view_bytes(pieces[0], torch.int32).long() if len(pieces) == 2 else None
+            payload = sparse.view_bytes(pieces[-1], dtype).view(2, self._selection.counts[j], shape[2])
+            residuals.apply(held[j], payload, rows, 1, self._residual is not None)
+            out[j].copy_(held[j].view(-1))
+        return out
