@@ -36,10 +36,10 @@ LAYOUTS = {
     "u2r2": (2, 2, False, "2x2", ("--cocodiff_a2a", "flat-p2p")),
     "u2cfg2": (2, 1, True, "2x2", ("--cocodiff_a2a", "flat")),
 }
-# The hierarchical layout again with gloo made to follow a device backend's rules
-# (COCODIFF_DEVICE_SEMANTICS=1: XCCL's order inside every batch, each receive completing in order,
-# the order audit on), as NCCL/XCCL would run it: bitwise stock still.
-DEVICE_SEMANTICS = {"u4r1-device": "u4r1"}
+# The hierarchical layout and the ring across nodes again with gloo made to follow a device
+# backend's rules (COCODIFF_DEVICE_SEMANTICS=1: XCCL's order inside every batch, each receive
+# completing in order, the order audit on), as NCCL/XCCL would run them: bitwise stock still.
+DEVICE_SEMANTICS = {"u4r1-device": "u4r1", "u2r2-device": "u2r2"}
 LAYOUTS |= {name: LAYOUTS[base] for name, base in DEVICE_SEMANTICS.items()}
 # The order rules concern the exchanges, which every model drives alike: under device semantics,
 # one model of each attention family (joint FLUX, joint SD3 with true CFG, video cross-attention).

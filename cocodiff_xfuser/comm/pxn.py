@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from . import transport
-from .tapa import GroupPlan, HierarchicalAllToAll
+from .subgroups import GroupPlan
+from .tapa import HierarchicalAllToAll
 
 
 class PxnHandle:
@@ -82,7 +83,7 @@ class PxnHandle:
         self._result: torch.Tensor | None = None
 
     def _post(self, level: int, what: str, recv: list, send: list) -> transport.Completion:
-        return transport.post(recv, send, self._plan.level_groups[level], self._plan.role(level), what, self._buffers)
+        return transport.post(recv, send, self._plan.level_groups[level], self._plan.roles[level], what, self._buffers)
 
     def advance(self) -> bool:
         if not self._relayed:
@@ -110,12 +111,12 @@ class PxnAllToAll:
     """The ``flat-pxn`` exchange over the groups ``tapa`` has a plan for (it relays over their sub-groups)."""
 
     def __init__(self, tapa: HierarchicalAllToAll) -> None:
-        self._tapa = tapa
+        self._plans = tapa.plans  # read here, at every exchange, without a call into TAPA
         self._per_node = math.prod(tapa.topology.sizes[1:])  # ranks are numbered node-major (:mod:`.topology`)
 
     def reason(self, x: torch.Tensor, group: Any = None) -> str | None:
         """Why ``flat-pxn`` cannot exchange ``x`` over ``group`` (None: it can)."""
-        plan = self._tapa.plan(group)
+        plan = self._plans.get(transport.group_ranks(group if group is not None else dist.group.WORLD))
         if plan is None:
             return "the group spans fewer than two topology levels (no rail to relay to)"
         if len(plan.levels) != 2:
@@ -135,7 +136,7 @@ class PxnAllToAll:
         why = self.reason(x, group)
         if why is not None:
             raise ValueError(f"flat-pxn all-to-all: {why}")
-        return PxnHandle(x, self._tapa.plan(group))
+        return PxnHandle(x, self._plans[transport.group_ranks(group)])
 
     def __call__(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
         """Blocking exchange, same output as ``flat_all_to_all``."""

@@ -29,9 +29,7 @@ the final output (one message per slot where a slice is strided), so pipelining 
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -40,9 +38,8 @@ import torch.distributed as dist
 
 from .. import commstats
 from . import subgroups, transport
-from .topology import Topology, level_subgroups, restrict
-
-logger = logging.getLogger("cocodiff_xfuser")
+from .subgroups import GroupPlan
+from .topology import Topology
 
 
 class _BufferPool:
@@ -72,18 +69,6 @@ class _BufferPool:
             self._free.popitem(last=False)
 
 
-@dataclass(frozen=True)
-class GroupPlan:
-    ranks: tuple[int, ...]
-    levels: tuple[int, ...]
-    level_groups: list[Any]  # this rank's sub-group per level: the ranks differing only in that coordinate
-    index: int  # this rank's position in ``ranks`` (its group rank)
-
-    def role(self, level: int) -> str:
-        """The communicator of ``level``, named the same on every rank (order audit, faults)."""
-        return f"level {level} of {self.levels}"
-
-
 def _pieces(chunk: torch.Tensor, skip: int, per_slot: bool) -> list[torch.Tensor]:
     """The slots of ``chunk`` (``[S, c]``) but slot ``skip``, as messages: contiguous runs, or one
     per slot (``per_slot``; both sides of a message must cut it alike)."""
@@ -104,7 +89,7 @@ def _post_level(
     me = transport.group_info(group)[0]
     per_slot = not out.is_contiguous()  # a part's strided slice of the output: one message per slot
     done = transport.post(
-        [_pieces(c, skip, per_slot) for c in out], [_pieces(c, skip, per_slot) for c in data], group, plan.role(level), what,
+        [_pieces(c, skip, per_slot) for c in out], [_pieces(c, skip, per_slot) for c in data], group, plan.roles[level], what,
         (out, data),
     )
     transport.copy_own(out[me], data[me])
@@ -164,7 +149,7 @@ class HierarchicalHandle:
 
         n = levels[0]
         return transport.post(
-            [[recv[s, own]] for s in range(n)], [[to(d)] for d in range(n)], self._plan.level_groups[0], self._plan.role(0),
+            [[recv[s, own]] for s in range(n)], [[to(d)] for d in range(n)], self._plan.level_groups[0], self._plan.roles[0],
             "direct chunks", (data, self._final),
         )
 
@@ -274,7 +259,7 @@ class TwoLevelHandle:
 
     def _post(self, level: int, what: str, recv: list, send: list) -> transport.Completion:
         group = self._plan.level_groups[level]
-        return transport.post(recv, send, group, self._plan.role(level), what, self._buffers)
+        return transport.post(recv, send, group, self._plan.roles[level], what, self._buffers)
 
     def advance(self) -> bool:
         l0, l1 = self._plan.levels
@@ -347,24 +332,10 @@ class HierarchicalAllToAll:
 
     def __init__(self, topology: Topology, groups: Sequence[Sequence[int]]) -> None:
         topology.validate(dist.get_world_size())
-        rank = dist.get_rank()
         self.topology = topology
         self._pool = _BufferPool()
-        self._plans: dict[tuple[int, ...], GroupPlan] = {}
-        # Sorted, de-duplicated: every rank creates the same sub-groups in the same order.
-        for ranks in sorted({tuple(sorted(g)) for g in groups}):
-            try:
-                levels = restrict(topology, ranks)
-            except ValueError as e:
-                if rank in ranks:
-                    logger.warning("using the flat all-to-all for group %s: %s", list(ranks), e)
-                continue
-            if len(levels) < 2:
-                continue
-            level_groups = [subgroups.member_of(sets) for sets in level_subgroups(ranks, levels)]
-            if rank in ranks:
-                self._plans[ranks] = GroupPlan(ranks, tuple(levels), level_groups, ranks.index(rank))
-                logger.info("hierarchical all-to-all for group %s: levels %s", list(ranks), levels)
+        #: The plans of this rank's groups, by sorted ranks (the PXN-like relay reads them too).
+        self.plans = subgroups.plans(topology, groups)
 
     def input_layout(self, group: Any = None) -> tuple[int, ...]:
         """The memory order of the level dims (outermost = 0) in which the exchange reads its input
@@ -425,4 +396,4 @@ class HierarchicalAllToAll:
     def plan(self, group: Any = None) -> GroupPlan | None:
         """The plan of ``group`` (default: world): its levels and their sub-groups; None when it uses
         the flat exchange. The PXN-like reference (:mod:`.pxn`) relays over the same sub-groups."""
-        return self._plans.get(transport.group_ranks(group if group is not None else dist.group.WORLD))
+        return self.plans.get(transport.group_ranks(group if group is not None else dist.group.WORLD))

@@ -14,7 +14,8 @@ stages:
    stage 1, ranks every ulysses x ring x CFG layout, stock and with cocodiff;
 4. **measurement**: the planner's best few layouts and the stock layouts an informed user runs
    (Ulysses inside the node x Ring across nodes, Ulysses x CFG across nodes for CFG models), each
-   stock and with cocodiff; the recommendation is the fastest lossless configuration measured
+   stock and with cocodiff (and, where the ring crosses nodes, with V-Major on the ring's K/V);
+   the recommendation is the fastest lossless configuration measured
    (stock where stock wins: the first line of advice says so), or a lossy one (V-Major) only where
    ``--min-psnr`` asks for it and its measured PSNR meets it.
 
@@ -254,7 +255,11 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     shared = [None if layouts is None else [(lay.ulysses, lay.ring, lay.cfg, v_first) for lay, v_first in layouts]]
     dist.broadcast_object_list(shared, src=0)
 
-    progress.begin("measurement", parts=2 * len(shared[0]) * (1 + repeat))
+    def ring_across_nodes(ulysses: int, ring: int) -> bool:  # ring peers sit a Ulysses group apart
+        return ring > 1 and ulysses * ring > world // topo.sizes[0]
+
+    runs = sum(3 if ring_across_nodes(u, r) else 2 for u, r, _, _ in shared[0])
+    progress.begin("measurement", parts=runs * (1 + repeat))
     full = bench_e2e.Layout(world)
     candidates = [measured("stock", full, False, ran["stock"], math.inf, True)]
     candidates += [measured(name, full, name != "tapa", ran[name], min(v["psnr_db"] for v in verdicts[name] if v),
@@ -273,6 +278,11 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         exact = all(v["bitwise_equal"] for v in verdict if v)
         candidates.append(measured("stock", layout, False, stock_run, math.inf, True))
         candidates.append(measured(mine, layout, v_first, coco_run, math.inf if exact else -math.inf, exact))
+        if ring_across_nodes(ulysses, ring):  # V-Major on the ring's K/V
+            lossy_run = timed({**args, **generate.VARIANTS[CONFIGS["tapa+vfirst+vmajor"]]})
+            verdict = generate.gather(verdict_against(stock_run["images"], lossy_run["images"]))
+            candidates.append(measured("tapa+vfirst+vmajor", layout, True, lossy_run, min(v["psnr_db"] for v in verdict if v),
+                                       all(v["bitwise_equal"] for v in verdict if v)))
     dist.barrier()
     runner.cleanup()
     if report is None:
@@ -400,8 +410,10 @@ def format_report(r: dict) -> str:
                      f"best stock  {what:<8} {c['flags']}")
     lines.append(f"  recommended: {r['recommended_flags']} ({r['recommended_step_s'] * 1e3:.1f} ms per step; best stock "
                  f"{r['best_stock_flags']}: {r['best_stock_step_s'] * 1e3:.1f} ms)")
-    if r["v_major"] and r["min_psnr_db"] is None:
-        lines.append(f"  optional, lossy: {r['v_major']['flag']} ({r['v_major']['note']}; --min-psnr DB lets the check "
+    vm = r["v_major"]
+    if vm and r["min_psnr_db"] is None:
+        what = f"{vm['layout']} {vm['flag']}" if vm["layout"] else vm["flag"]
+        lines.append(f"  optional, lossy: {what} ({vm['note']}; --min-psnr DB lets the check "
                      "recommend it where its measured PSNR meets DB)")
     return "\n".join(lines)
 

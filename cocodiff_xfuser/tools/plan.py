@@ -64,6 +64,8 @@ DEFAULT_TFLOPS = 200.0
 #: is exact, the others send their rows as fp8 residuals, 1 byte per element, in every exchange).
 V_MAJOR_SWEEP = "sweep-v-major-budget-digits-flux.json"
 V_MAJOR_EXACT_STEPS = 1
+#: V-Major on the ring's K/V: the share of tokens sent, from this shipped quality run at the defaults.
+RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
 #: V-Major's own work per layer (ranking tokens by change, encoding and applying residuals), as
 #: ``bench kernels`` measured it on one GPU kernel by kernel (as an uncompiled xfuser job launches
 #: it): the shipped runs, fitted per byte of V a rank holds, price it on the presets of that GPU.
@@ -450,6 +452,13 @@ def layer_flops(spec: ModelSpec, s: float, s_local: float, head_pad: float = 1.0
     return s_local * (24 * D * D + 4 * s * D * head_pad)
 
 
+def v_major_scale(spec: ModelSpec, active: float, steps: int) -> float:
+    """The share of an exchange's slow-link bytes V-Major sends: every row at its first step, then
+    the ``active`` share of the rows as fp8 residuals."""
+    dense = min(1.0, V_MAJOR_EXACT_STEPS / max(steps, 1))
+    return dense + (1 - dense) * active * (1.0 / spec.dtype_bytes)
+
+
 def predict_step(spec: ModelSpec, cl: Cluster, c: Coeffs, *, size: int, frames: int = 1, batch: int = 1,
                  ulysses: int, ring: int = 1, cfg_parallel: bool = False, algorithm: str = "best",
                  v_first: bool = False, v_major: Optional[float] = None, steps: int = 50,
@@ -462,10 +471,7 @@ def predict_step(spec: ModelSpec, cl: Cluster, c: Coeffs, *, size: int, frames: 
     msgs = step_messages(spec, size, frames=frames, batch=batch, ulysses=ulysses, ring=ring,
                          cfg_parallel=cfg_parallel, v_first=v_first)
     per_layer = max(len(msgs) // len(spec.attn), 1)
-    res_scale = 1.0
-    if v_major is not None:  # fp8 residuals of active rows after the first step, every exchange (scope qkvo)
-        dense = min(1.0, V_MAJOR_EXACT_STEPS / max(steps, 1))
-        res_scale = dense + (1 - dense) * v_major * (1.0 / spec.dtype_bytes)
+    res_scale = 1.0 if v_major is None else v_major_scale(spec, v_major, steps)  # every exchange (scope qkvo)
     total = hidden = nbytes = 0.0
     algs: Dict[str, int] = {}
     for i, (kind, x, count) in enumerate(msgs):
@@ -609,6 +615,7 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
     W = full.world
     tf = tflops or TFLOPS.get(cluster, DEFAULT_TFLOPS)
     img, txt = spec.tokens(size, frames)
+    ring_active = ring_v_major_measured()["v_major_active_fraction"]
     rows = []
     for C in ([1, 2] if spec.cfg and W % 2 == 0 else [1]):
         for U in _divisors(W // C):
@@ -628,11 +635,17 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
             vfirst = predict_step(spec, group, c, v_first=U > 1, **kw)
             coco = vfirst if vfirst["comm_s"] < tapa["comm_s"] else tapa
             ring_cl = full.subgroup(U * R) if R > 1 else None
-            ring_s = 0.0
+            ring_s, ring_v_major_s = 0.0, None
             if ring_cl is not None and ring_cl.levels:  # ring neighbours sit U ranks apart
                 lv = ring_cl.levels[0]  # the slowest level the ring's span crosses
-                for (count, nb), attn in coco["ring"]:  # exposed: what the attention does not cover
-                    ring_s += count * max(0.0, (nb / lv.Bps if lv.Bps else 0.0) + lv.latency_s * (R - 1) - attn)
+
+                def ring_exposed(scale: float) -> float:  # what the attention does not cover
+                    return sum(count * max(0.0, (nb * scale / lv.Bps if lv.Bps else 0.0) + lv.latency_s * (R - 1) - attn)
+                               for (count, nb), attn in coco["ring"])
+
+                ring_s = ring_exposed(1.0)
+                if lv.name == "node":  # V-Major on the ring's K/V across nodes, its bytes scaled as measured
+                    ring_v_major_s = ring_exposed(v_major_scale(spec, ring_active, steps))
             b = batch * (2 if spec.cfg and C == 1 else 1)
             pad = math.ceil(spec.heads / U) * U / spec.heads
             seqs = [(n, img + (txt if j else 0)) for n, j in spec.attn]
@@ -644,6 +657,8 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
                 "v_first": coco is vfirst and U > 1, "v_hidden_s": coco["v_hidden_s"], "ring_s": ring_s, "algorithms": coco["algorithms"],
                 "compute_s": compute, "step_s": compute + coco["comm_s"] + ring_s,
                 "stock_step_s": compute + stock["comm_s"] + ring_s,
+                # With V-Major on the ring's K/V (lossy; None where the ring stays inside a node).
+                "ring_v_major_step_s": None if ring_v_major_s is None else compute + coco["comm_s"] + ring_v_major_s,
             })
     if not rows:
         raise ValueError(f"no ulysses x ring x cfg factorization of {W} ranks fits {spec.name}")
@@ -658,24 +673,46 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
     if best["v_first"]:
         flags.append("--cocodiff-v-first")
     vmaj = None
+    # V-Major's own work per layer on the tensors it ranks and encodes (``tensors`` of the size of the
+    # V a rank holds: [s / (U R)] tokens x every head), where its kernels were measured.
+    cost = v_major_layer_cost(KERNEL_GPUS[cluster]) if cluster in KERNEL_GPUS else None
+    priced = ("its kernels priced at {:.2f} ms per step (measured on one " + KERNEL_GPUS[cluster] + ")"
+              if cost is not None else "its kernels not priced (measured on no GPU of this preset)")
+
+    def v_major_work(row: dict, tensors: int) -> float:
+        b = batch * (2 if spec.cfg and row["cfg"] == 1 else 1)
+        return 0.0 if cost is None else sum(
+            n * (cost[0] + cost[1] * tensors * b * (img + (txt if j else 0)) / (row["ulysses"] * row["ring"])
+                 * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn)
+
     if len(slow.levels) > 1 and slow.levels[0].name == "node":
         kw = dict(size=size, frames=frames, batch=batch, ulysses=best["ulysses"], ring=best["ring"],
                   cfg_parallel=best["cfg"] == 2, steps=steps, tflops=tf, v_first=True)
         measured = v_major_defaults()
         vm = predict_step(spec, slow, c, v_major=measured["v_major_active_fraction"], **kw)
-        # Its own work per layer, on the V a rank holds ([s / (U R)] tokens x every head), where measured.
-        cost = v_major_layer_cost(KERNEL_GPUS[cluster]) if cluster in KERNEL_GPUS else None
-        b = batch * (2 if spec.cfg and best["cfg"] == 1 else 1)
-        work = 0.0 if cost is None else sum(
-            n * (cost[0] + cost[1] * b * (img + (txt if j else 0)) / (best["ulysses"] * best["ring"])
-                 * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn)
-        priced = (f"its kernels priced at {work * 1e3:.2f} ms per step (measured on one {KERNEL_GPUS[cluster]})"
-                  if cost is not None else "its kernels not priced (measured on no GPU of this preset)")
+        work = v_major_work(best, 1)
         if vm["comm_s"] + work < 0.8 * best["cocodiff_comm_s"]:
             vmaj = {"comm_s": vm["comm_s"] + best["ring_s"], "compute_s": work, "flag": "--cocodiff-v-major on",
                     "note": f"lossy: {measured['psnr_db']:.1f} dB PSNR vs stock on digits-flux at the defaults "
                             f"({measured['slow_link_bytes_saved_fraction']:.0%} of the slow-link bytes saved; "
-                            f"{priced}); judge on your model"}
+                            f"{priced.format(work * 1e3)}); judge on your model", "layout": None}
+    # V-Major on the ring's K/V (two tensors), on the layout where it predicts the shortest step,
+    # where it saves as much as V-Major on the Ulysses exchanges must (a fifth of the best lossless
+    # communication) and more than V-Major there.
+    ring = min((r for r in rows if r["ring_v_major_step_s"] is not None),
+               key=lambda r: r["ring_v_major_step_s"] + v_major_work(r, 2), default=None)
+    ring_step = None if ring is None else ring["ring_v_major_step_s"] + v_major_work(ring, 2)
+    ulysses_step = None if vmaj is None else best["compute_s"] + vmaj["comm_s"] + vmaj["compute_s"]
+    if ring_step is not None and ring_step < best["step_s"] - 0.2 * best["cocodiff_comm_s"] and (
+            ulysses_step is None or ring_step < ulysses_step):
+        measured, work = ring_v_major_measured(), v_major_work(ring, 2)
+        vmaj = {"comm_s": ring["ring_v_major_step_s"] - ring["compute_s"], "compute_s": work, "flag": "--cocodiff-v-major on",
+                "layout": f"--ulysses_degree {ring['ulysses']} --ring_degree {ring['ring']}"
+                          + (" --use_cfg_parallel" if ring["cfg"] == 2 else "") + " --sp-backend cocodiff"
+                          + (" --cocodiff-v-first" if ring["v_first"] else ""),
+                "note": f"lossy, on the ring's K/V across nodes: {measured['psnr_db']:.1f} dB PSNR vs stock on digits-flux "
+                        f"at the defaults ({measured['slow_link_bytes_saved_fraction']:.0%} of the slow-link bytes saved; "
+                        f"{priced.format(work * 1e3)}); judge on your model"}
     return {"model": spec.name, "model_source": spec.source, "size": size, "frames": frames, "batch": batch,
             "steps": steps, "cluster": cluster, "nodes": nodes, "world": W, "levels": full.describe(),
             "tokens": {"image": img, "text": txt}, "calibrated": calibrated, "calibration": calibration,
@@ -699,6 +736,11 @@ def v_major_layer_cost(gpu: str) -> Optional[Tuple[float, float]]:
     my = statistics.fmean(y for _, y in points)
     slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
     return my - slope * mx, slope
+
+
+def ring_v_major_measured() -> dict:
+    """The shipped quality run of V-Major on the ring's K/V at the defaults (:data:`RING_V_MAJOR_RUN`)."""
+    return json.loads((RESULTS_DIR / RING_V_MAJOR_RUN).read_text())
 
 
 def v_major_defaults() -> dict:
@@ -772,7 +814,8 @@ def run_cli(args: argparse.Namespace) -> int:
           f"{' --use_cfg_parallel' if bs['cfg'] == 2 else ''} (predicted stock step {bs['stock_step_s'] * 1e3:.2f} ms); the recommendation "
           f"is predicted at {rep['speedup_vs_best_stock']:.2f}x its step")
     print(f"recommended: {rep['recommended']['flags']}")
-    if rep["v_major"]:
-        print(f"optional, lossy: add {rep['v_major']['flag']} (comm {rep['v_major']['comm_s'] * 1e3:.2f} ms/step; "
-              f"{rep['v_major']['note']})")
+    vm = rep["v_major"]
+    if vm:
+        what = f"{vm['layout']} {vm['flag']}" if vm["layout"] else f"add {vm['flag']}"
+        print(f"optional, lossy: {what} (comm {vm['comm_s'] * 1e3:.2f} ms/step; {vm['note']})")
     return 0

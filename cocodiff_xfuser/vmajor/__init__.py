@@ -33,9 +33,12 @@ Caches live per attention layer and per transformer call within a step (true CFG
 transformer twice per step) and are dropped when a new pipeline call starts, which a
 transformer's clock sees as a timestep that does not decrease.
 
+Under Ulysses inside the node x Ring across nodes the exchange that crosses the slow links is the
+ring attention's K/V: V-Major runs on it the same way (:mod:`.ring`).
+
 The package: :mod:`.policy` (each layer call's decision and the rows each covered exchange sends),
-:mod:`.clock` (the step of a transformer, the counts agreed once per step, auto's speed check) and
-:mod:`.state` (caches and their budget); the knobs are :class:`cocodiff_xfuser.settings.VMajorSettings`,
+:mod:`.clock` (the step of a transformer, the counts agreed once per step, auto's speed check),
+:mod:`.state` (caches and their budget) and :mod:`.ring` (the ring's K/V); the knobs are :class:`cocodiff_xfuser.settings.VMajorSettings`,
 and rows travel as step residuals through :mod:`cocodiff_xfuser.comm.residuals`, which any exchange
 that repeats per step can use. This ``__init__`` imports nothing, so its modules import no cycle.
 """

@@ -115,16 +115,24 @@ def _routed_rotater(original):
 def _ring_with_tokens(original):
     """torch's rotater sees K and V only as one flat buffer: the call records where its tokens are."""
 
-    def _templated_ring_attention(group, seq_dim, op, query, key, value, **kwargs):
+    def _templated_ring_attention(*args, **kwargs):
         global _ring_row
-        outer = _ring_row
-        _ring_row = math.prod(key.shape[seq_dim + 1:]) if key.shape == value.shape else None
+        outer, _ring_row = _ring_row, _token_row(args)
         try:
-            return original(group, seq_dim, op, query, key, value, **kwargs)
+            return original(*args, **kwargs)
         finally:
             _ring_row = outer
 
     return _templated_ring_attention
+
+
+def _token_row(args: tuple) -> int | None:
+    """From torch's ``(group, seq_dim, op, query, key, value)``: the elements of one token of K and
+    of V, where they are alike (None otherwise, or for another signature)."""
+    if len(args) < 6 or not isinstance(args[1], int):
+        return None
+    seq_dim, key, value = args[1], args[4], args[5]
+    return math.prod(key.shape[seq_dim + 1:]) if key.shape == value.shape else None
 
 
 def route_ring_exchange(usp: types.ModuleType) -> None:

@@ -52,3 +52,31 @@ def test_every_rank_launches_in_one_order(audited, model):
     ran = result["ran"]
     assert ran["v_first_calls"] > 0 and set(ran["exchanges"]) == {"hierarchical", "v-major two-phase"}, ran
     assert ran["fallbacks"] == {} and 0 < ran["v_major"]["active"] <= ran["v_major"]["tokens"], ran
+
+
+#: Ulysses 2 inside the node x Ring 2 across nodes: V-Major at its defaults on the ring's K/V (the
+#: budget policy's counts agreed over the world, residuals to the peers on the other node); FLUX's
+#: joint attention and SD3's true CFG (two transformer calls per step), under a device backend's rules.
+RING_MODELS = ["digits-flux", "digits-sd3"]
+
+
+@pytest.fixture(scope="module")
+def audited_ring(tmp_path_factory):
+    out = tmp_path_factory.mktemp("order-ring")
+    flags = ("--cocodiff_a2a", "flat-p2p", "--cocodiff_v_major", "on")
+    run = Run(model=RING_MODELS[0], ulysses_degree=2, ring_degree=2, topology="2x2", v_first=True, steps=4, extra=flags)
+    argv = run.argv(("cocodiff",), out)
+    argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in RING_MODELS)
+    launcher.torchrun(run.world_size, argv, env=MODES["device-semantics"], timeout=900)
+    return out
+
+
+@pytest.mark.parametrize("model", RING_MODELS)
+def test_every_rank_launches_in_one_order_with_v_major_on_the_ring(audited_ring, model):
+    result = json.loads((output_dir(audited_ring, tiny_models.SPECS[model].model_id, "cocodiff") / "result.json").read_text())
+    launches = result["launches"]
+    assert len(launches) == 4 and all(sequence == launches[0] for sequence in launches[1:]), launches
+    assert ["ring", "ring K/V"] in launches[0] and ["group of 4", "all_reduce"] in launches[0], launches[0]
+    ran = result["ran"]
+    assert ran["exchanges"].get("ring v-major", 0) > 0 and ran["fallbacks"] == {}, ran
+    assert ran["slow_link_bytes"] < ran["slow_link_bytes_exact"], ran

@@ -153,6 +153,14 @@ def test_an_exchange_runs_code_in_at_most_six_product_modules(reports, layout):
     assert "CASE exchange_modules ok" in reports[layout], reports[layout]
 
 
+@pytest.mark.distributed
+def test_an_exchange_across_nodes_runs_code_in_at_most_six_product_modules():
+    """The same on Ulysses 4 over two emulated nodes, for TAPA and the PXN-like relay."""
+    argv = [str(WORKER), "--ulysses", "4", "--cases", "exchange_modules"]
+    out = torchrun(4, argv, env=ENV, timeout=300).stdout
+    assert "CASE exchange_modules ok" in out and "EXCHANGE MODULES flat-pxn" in out, out
+
+
 # ------------------------------------------------------------------ SD3 whole-text joint path
 
 

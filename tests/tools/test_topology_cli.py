@@ -217,7 +217,7 @@ def test_plan_matches_tapa(monkeypatch, spec, ulysses, ring, cfg):
         exchange = tapa.HierarchicalAllToAll(topology, groups)
         [mine] = [g for g in groups if rank in g]
         plan = plans[tuple(sorted(mine))]
-        built = exchange._plans.get(tuple(sorted(mine)))
+        built = exchange.plans.get(tuple(sorted(mine)))
         # No plan in tapa: the flat exchange (fewer than two levels, or not a regular sub-grid).
         assert (built is not None) == (plan["algorithm"] == "hierarchical"), (plan, built)
         if built is None:

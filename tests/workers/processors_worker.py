@@ -67,7 +67,7 @@ def setup(ulysses: int, ring: int) -> None:
     core.start_input_exchange = counting
 
 
-def use_backend(v_first: bool, a2a: str = "flat-p2p") -> None:
+def use_backend(v_first: bool, a2a: str = "flat-p2p", topology: str | None = None) -> None:
     """Stock Ulysses (xfuser's own exchanges), or cocodiff with V-First (on the fair flat exchange by
     default: what is compared is the processors, and every exchange is exact; with a ring, its K/V
     through cocodiff too)."""
@@ -78,7 +78,7 @@ def use_backend(v_first: bool, a2a: str = "flat-p2p") -> None:
 
     if v_first:
         ring = get_sp_group().ring_group if get_ring_parallel_world_size() > 1 else None
-        job.start(get_sp_group().ulysses_group, Options(v_first=True, a2a=a2a), ring)
+        job.start(get_sp_group().ulysses_group, Options(v_first=True, a2a=a2a, topology=topology), ring)
     else:
         job.end()
 
@@ -279,14 +279,18 @@ def exchange_modules(run) -> dict[str, set[str]]:
 
 def case_exchange_modules() -> None:
     """Each exchange of a FLUX.2 forward under V-First (V's early exchange, Q/K's, the output's, the
-    ring's K/V with a ring), on each algorithm a 2-rank Ulysses group can run, runs code in at most
+    ring's K/V with a ring), on each algorithm the Ulysses group can run (2 ranks: the flat ones; 4
+    ranks over two emulated nodes: TAPA and the PXN-like relay), runs code in at most
     MAX_EXCHANGE_MODULES product modules."""
+    from xfuser.core.distributed import get_ulysses_parallel_world_size
+
     from cocodiff_xfuser.processors import families
     from cocodiff_xfuser.xfuser import job
 
     build, inputs, expected_v = flux2()
-    for a2a in ("flat-p2p", "flat"):
-        use_backend(True, a2a)
+    across = get_ulysses_parallel_world_size() == 4
+    for a2a in ("hierarchical", "flat-pxn") if across else ("flat-p2p", "flat"):
+        use_backend(True, a2a, "2x2" if across else None)
         torch.manual_seed(0)
         model = build().eval()
         families.install(model, job.exchanger())
