@@ -80,14 +80,17 @@ def _spans_nodes(layout: str) -> bool:
 
 
 def _backends(layout: str) -> tuple[str, ...]:
-    """Where the Ulysses groups stay inside a node (Ulysses x Ring and Ulysses x CFG across nodes),
-    TAPA and V-Major have nothing to do on them (V-Major falls back and says so:
-    tests/tools/test_check.py), and cocodiff there is V-First's processors over the forced flat
-    exchange and the ring's K/V through cocodiff; where the ring crosses the nodes, V-Major runs on
-    the ring's K/V."""
+    """Where the Ulysses groups span the nodes, every variant; TAPA alone (stock processors over the
+    routed exchange) only where it has two levels to exchange over (on Ulysses 2 over 2 nodes of 1 it
+    is the flat exchange that every other variant routes too). Where the Ulysses groups stay inside a
+    node (Ulysses x Ring and Ulysses x CFG across nodes), TAPA and V-Major have nothing to do on them
+    (V-Major falls back and says so: tests/tools/test_check.py), and cocodiff there is V-First's
+    processors over the forced flat exchange and the ring's K/V through cocodiff; where the ring
+    crosses the nodes, exact V-Major runs on the ring's K/V under device semantics (its lossy
+    defaults: tests/comm/test_order.py)."""
     if _spans_nodes(layout):
-        return BACKENDS
-    return ("ulysses", "cocodiff+vfirst", *(V_MAJOR_EXACT if LAYOUTS[layout][1] > 1 else ()))
+        return BACKENDS if LAYOUTS[layout][0] == 4 else tuple(b for b in BACKENDS if b != "cocodiff")
+    return ("ulysses", "cocodiff+vfirst", *(V_MAJOR_EXACT if LAYOUTS[layout][1] > 1 and layout in DEVICE_SEMANTICS else ()))
 
 
 VARIANT_CASES = [(model, layout, variant) for model, layout in CASES for variant in _backends(layout)[1:]]

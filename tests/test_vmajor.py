@@ -260,7 +260,6 @@ def test_auto_decides_in_the_first_call_and_keeps_its_decision(tmp_path):
         assert first["v_major_sparse"]["qk+v"] > 4 * layers * ranks, first  # sparse in the later calls too
 
 
-
 def test_ring_peers_hold_what_the_sender_references():
     """V-Major on the ring's K/V: after an exact step, a sparse step's message (the selected
     tokens' change as fp8, behind their indices) turns the receiver's copy into exactly the

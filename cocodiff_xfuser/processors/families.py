@@ -142,5 +142,5 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
 
 
 def _use_ring(transformer: torch.nn.Module, args: tuple) -> None:
-    exchanger, steps = transformer._cocodiff_ring
-    exchanger.ring_v_major = steps
+    exchanger, ring_v_major = transformer._cocodiff_ring
+    exchanger.ring_v_major = ring_v_major

@@ -43,6 +43,7 @@ def test_compression_and_v_major_exclude_each_other():
         Options(compress="int4")
 
 
+@pytest.mark.slow  # a job of both options: their codecs are tested above, fp8-slow's routings in tests/comm/test_exchanges.py
 @pytest.mark.distributed
 def test_fp8_exchanges_run_in_a_job_and_cut_the_bytes(tmp_path):
     """tiny-flux on 4 ranks (2x2) with V-First and --cocodiff-compress fp8 and fp8-slow against stock

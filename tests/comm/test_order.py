@@ -1,8 +1,9 @@
 """One program order: with the order audit on, every rank launches the same collectives, on the
 same communicators, in the same order, for every tiny model under V-First, TAPA and V-Major (4
 ranks, 2 nodes x 2, the hierarchical exchange forced so that phases on sub-groups are in flight,
-V-Major's sparse exchanges in two phases from the second step on, with rank-local masks), with
-gloo's own rules and with a device backend's (``COCODIFF_DEVICE_SEMANTICS=1``, which turns the audit on)."""
+V-Major's sparse exchanges in two phases from the second step on, with rank-local masks), with a
+device backend's rules (``COCODIFF_DEVICE_SEMANTICS=1``, which turns the audit on; with gloo's own
+rules in the slow tier), and with V-Major on the ring's K/V under Ulysses 2 x Ring 2."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ MODELS = sorted(tiny_models.SPECS)
 MODES = {"audit": {AUDIT_ENV: "1"}, "device-semantics": {DEVICE_SEMANTICS_ENV: "1"}}
 
 
-@pytest.fixture(scope="module", params=list(MODES))
+# Device semantics turn the audit on too, and stricter: the audit alone (gloo's own order inside a
+# batch, which does not change what is launched) runs in the slow tier.
+@pytest.fixture(scope="module", params=[pytest.param("audit", marks=pytest.mark.slow), "device-semantics"])
 def audited(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("order")
     flags = ("--cocodiff_a2a", "hierarchical", "--cocodiff_v_major", "on", "--cocodiff_v_major_warmup_steps", "0")
