@@ -148,7 +148,7 @@ def whole_is_smaller(k: int, s: int, row_bytes: int) -> bool:
     return k * (row_bytes + _INDEX_BYTES) >= s * row_bytes
 
 
-def _index_bytes(k: int, s: int, by_receiver: bool) -> int:
+def index_size(k: int, s: int, by_receiver: bool = False) -> int:
     """The indices ahead of ``k`` sender-chosen rows of ``s``; none where the receiver knows them:
     it chose them, or every row is sent (in order)."""
     return 0 if by_receiver or k == s else k * _INDEX_BYTES
@@ -259,7 +259,7 @@ class SparseHandle:
         self.slow_bytes = sum(self._size(level.me, j) for j in remote)
         self.exact_bytes = len(remote) * self._full_bytes
         device = x.device
-        indices = selection.index_bytes if _index_bytes(selection.active.numel(), s, by_receiver) else None
+        indices = selection.index_bytes if index_size(selection.active.numel(), s, by_receiver) else None
         chunks = _bytes(x).view(w, -1).unbind(0)
         if not two_phase:
             sizes = [self._bytes_from(j) for j in range(w)]
@@ -310,7 +310,7 @@ class SparseHandle:
     def _size(self, src: int, dst: int) -> int:
         """The bytes of what ``src`` sends ``dst`` over slow links: the rows, their indices ahead."""
         k = self._rows(src, dst)
-        return k * self._row_bytes + _index_bytes(k, self._tokens, self._by_receiver)
+        return k * self._row_bytes + index_size(k, self._tokens, self._by_receiver)
 
     def _bytes_from(self, j: int) -> int:
         return self._full_bytes if self._level.fast(j) else self._size(j, self._level.me)

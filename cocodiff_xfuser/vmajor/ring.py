@@ -109,8 +109,7 @@ class RingLayer:
         k = None if reference is None else count(settings, clock, self.index, step, tokens)
         if step < settings.warmup_steps or (isinstance(settings.rule, Budget) and clock.shares_now() is None):
             k = tokens
-        row_bytes = 2 * x.shape[2] * (residual or x.dtype).itemsize  # one token's K and V
-        if k is not None and residual is not None and sparse.whole_is_smaller(k, tokens, row_bytes):
+        if k is not None and residual is not None and sparse.whole_is_smaller(k, tokens, _token_bytes(x, residual)):
             k = tokens  # every token, without indices, is no more bytes
         if (
             reference is None
@@ -143,10 +142,11 @@ class RingStep:
         if selection is None:
             caches.reference = x  # what the peers will hold (torch builds the buffer anew per call)
             return
-        tokens, row_bytes = x.shape[1], 2 * x.shape[2] * (residual or x.dtype).itemsize
+        tokens, row_bytes = x.shape[1], _token_bytes(x, residual)
         every = selection.active.numel() == tokens
-        sizes = {j: ((selection.counts[j] * 4,) if selection.counts[j] < tokens else ()) + (selection.counts[j] * row_bytes,)
-                 for j in peers}  # int32 indices ahead of the rows, where not every token
+        # The indices ahead of the rows, where not every token (then a piece, empty or not).
+        sizes = {j: ((sparse.index_size(k, tokens),) if k < tokens else ()) + (k * row_bytes,)
+                 for j in peers for k in [selection.counts[j]]}
         self.remote = Remote(peers, (sent,) if every else (selection.index_bytes, sent), sizes)
 
     @property
@@ -170,3 +170,8 @@ class RingStep:
             residuals.apply(held[j], payload, rows, 1, self._residual is not None)
             out[j].copy_(held[j].view(-1))
         return out
+
+
+def _token_bytes(x: torch.Tensor, residual: torch.dtype | None) -> int:
+    """One token's K and V (``x``: ``[2, T, row]``) as they travel: in the residual dtype, or as values."""
+    return 2 * x.shape[2] * (residual or x.dtype).itemsize
