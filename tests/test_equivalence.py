@@ -39,15 +39,26 @@ LAYOUTS = {
 # The hierarchical layout and the ring across nodes again with gloo made to follow a device
 # backend's rules (COCODIFF_DEVICE_SEMANTICS=1: XCCL's order inside every batch, each receive
 # completing in order, the order audit on), as NCCL/XCCL would run them: bitwise stock still.
-DEVICE_SEMANTICS = {"u4r1-device": "u4r1", "u2r2-device": "u2r2"}
+DEVICE_SEMANTICS = {"u4r1-device": "u4r1", "u2r2-device": "u2r2", "u2r4-device": "u2r4"}
+# The ring over four nodes (every rank's K/V to three other nodes, 8 ranks): every model, with and
+# without device semantics, in the slow tier (8 ranks on two cores take minutes per layout).
+EIGHT_RANKS = {"u2r4": (2, 4, False, "4x2", ("--cocodiff_a2a", "flat-p2p"))}
+LAYOUTS |= EIGHT_RANKS
 LAYOUTS |= {name: LAYOUTS[base] for name, base in DEVICE_SEMANTICS.items()}
+SLOW_LAYOUTS = {"u2r4", "u2r4-device"}
 # The order rules concern the exchanges, which every model drives alike: under device semantics,
 # one model of each attention family (joint FLUX, joint SD3 with true CFG, video cross-attention).
 DEVICE_MODELS = ["digits-flux", "digits-sd3", "tiny-wan"]
 
 
 def _models(layout: str) -> list[str]:
+    if layout in SLOW_LAYOUTS:
+        return MODELS
     return DEVICE_MODELS if layout in DEVICE_SEMANTICS else CFG_MODELS if LAYOUTS[layout][2] else MODELS
+
+
+def _case(*values: str) -> object:
+    return pytest.param(*values, marks=pytest.mark.slow) if values[1] in SLOW_LAYOUTS else values
 
 
 CASES = [(model, name) for name in LAYOUTS for model in _models(name)]
@@ -55,9 +66,10 @@ CASES = [(model, name) for name in LAYOUTS for model in _models(name)]
 # attention, ring merges). Images are in [0, 1].
 SINGLE_PROCESS_ATOL = 2e-3
 SEED = 42
-# Steps per image: the tiny models' default; the trained digits models (16 by default) run as many,
-# which every mechanism (V-Major's sparse steps included, from the second) exercises alike.
-STEPS = 4
+# Steps per image: three, for every model (the trained digits models run 16 by default): the first
+# step exact, then two sparse steps under exact V-Major, so its caches carry across steps; every
+# mechanism runs from the first step.
+STEPS = 3
 # V-Major with a zero threshold (and no warm-up) sends every token that changed at all, as values,
 # so it must be bitwise equal too, while its sparse exchanges (masks, uneven sizes, caches) all run:
 # V's, Q/K's and the output's (scope qkvo).
@@ -90,29 +102,41 @@ def _backends(layout: str) -> tuple[str, ...]:
     defaults: tests/comm/test_order.py)."""
     if _spans_nodes(layout):
         return BACKENDS if LAYOUTS[layout][0] == 4 else tuple(b for b in BACKENDS if b != "cocodiff")
-    return ("ulysses", "cocodiff+vfirst", *(V_MAJOR_EXACT if LAYOUTS[layout][1] > 1 and layout in DEVICE_SEMANTICS else ()))
+    exact_v_major = LAYOUTS[layout][1] > 1 and (layout in DEVICE_SEMANTICS or layout in SLOW_LAYOUTS)
+    return ("ulysses", "cocodiff+vfirst", *(V_MAJOR_EXACT if exact_v_major else ()))
 
 
-VARIANT_CASES = [(model, layout, variant) for model, layout in CASES for variant in _backends(layout)[1:]]
+VARIANT_CASES = [_case(model, layout, variant) for model, layout in CASES for variant in _backends(layout)[1:]]
+
+
+def _generate(layout: str, out: Path) -> Path:
+    """One job on ``layout``: every model of it with every backend variant of it."""
+    ulysses, ring, cfg, topology, flags = LAYOUTS[layout]
+    models = _models(layout)
+    run = Run(model=models[0], ulysses_degree=ulysses, ring_degree=ring, cfg=cfg, topology=topology, seed=SEED,
+              steps=STEPS, extra=flags)
+    (out / "variants.json").write_text(json.dumps(V_MAJOR_EXACT))
+    argv = run.argv(_backends(layout), out) + ["--variants", str(out / "variants.json")]
+    argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in models)
+    env = {DEVICE_SEMANTICS_ENV: "1"} if layout in DEVICE_SEMANTICS else {}
+    (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, env=env, timeout=1800 if layout in SLOW_LAYOUTS else 900).stderr)
+    return out
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory) -> dict[str, Path]:
+def generated(tmp_path_factory):
+    """``generated(layout)``: the directory of the layout's job, run at its first use (the slow tier's
+    layouts only run where their tests are selected)."""
     for model in MODELS:
         tiny_models.ensure_fixture(model)
-    outputs = {}
-    for layout, (ulysses, ring, cfg, topology, flags) in LAYOUTS.items():
-        out = tmp_path_factory.mktemp(layout)
-        models = _models(layout)
-        run = Run(model=models[0], ulysses_degree=ulysses, ring_degree=ring, cfg=cfg, topology=topology, seed=SEED,
-                  steps=STEPS, extra=flags)
-        (out / "variants.json").write_text(json.dumps(V_MAJOR_EXACT))
-        argv = run.argv(_backends(layout), out) + ["--variants", str(out / "variants.json")]
-        argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in models)
-        env = {DEVICE_SEMANTICS_ENV: "1"} if layout in DEVICE_SEMANTICS else {}
-        (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, env=env, timeout=900).stderr)
-        outputs[layout] = out
-    return outputs
+    outputs: dict[str, Path] = {}
+
+    def output(layout: str) -> Path:
+        if layout not in outputs:
+            outputs[layout] = _generate(layout, tmp_path_factory.mktemp(layout))
+        return outputs[layout]
+
+    return output
 
 
 def _images(out: Path, model: str, backend: str) -> np.ndarray:
@@ -129,9 +153,9 @@ def _ran(out: Path, model: str, backend: str) -> dict:
 
 @pytest.mark.parametrize("model, layout, variant", VARIANT_CASES)
 def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, variant):
-    report = compare(_images(generated[layout], model, "ulysses"), _images(generated[layout], model, variant))
+    report = compare(_images(generated(layout), model, "ulysses"), _images(generated(layout), model, variant))
     assert report["bitwise_equal"], report
-    stock, ran = _ran(generated[layout], model, "ulysses"), _ran(generated[layout], model, variant)
+    stock, ran = _ran(generated(layout), model, "ulysses"), _ran(generated(layout), model, variant)
     assert set(stock["exchanges"]) == {"stock"} and stock["v_first_calls"] == 0, stock
     # The cocodiff path ran: every exchange through the backend, no fall-back of any kind.
     assert ran["exchanges"] and "stock" not in ran["exchanges"], ran
@@ -145,10 +169,10 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
     if "--cocodiff_a2a" in flags:  # the forced exchange ran on the Ulysses group, and only it
         assert set(ran["exchanges"]) - {RING} == {flags[flags.index("--cocodiff_a2a") + 1]}, ran
     if layout in DEVICE_SEMANTICS:  # the mode was on: the audit recorded this rank's launches
-        assert _result(generated[layout], model, variant)["launches"][0], layout
+        assert _result(generated(layout), model, variant)["launches"][0], layout
     # Lossless: the slow level carries what the exact exchange carries (half of it on 2 nodes).
     assert ran["slow_link_bytes"] == ran["slow_link_bytes_exact"], ran
-    if layout in ("u4r1", "u2r2"):  # Ulysses' exchange, or the ring's, crosses the nodes
+    if layout in ("u4r1", "u2r2", "u2r4"):  # Ulysses' exchange, or the ring's, crosses the nodes
         assert ran["slow_link_bytes"] > 0, ran
     v_exchanges = sum(n for label, n in ran["labels"].items() if label.endswith(".v"))
     if variant == "cocodiff+vfirst":
@@ -158,8 +182,8 @@ def test_cocodiff_is_bitwise_equal_to_stock_ulysses(generated, model, layout, va
     else:
         assert ran["v_first_calls"] == 0 and v_exchanges == 0, ran
     if (model, layout) == ("tiny-flux", "u4r1") and variant == "cocodiff+vfirst":
-        # 4 ranks x 4 attention modules (2 double + 2 single blocks) x 4 steps.
-        assert ran["v_first_calls"] == 4 * 4 * 4, ran
+        # 4 ranks x 4 attention modules (2 double + 2 single blocks) x 3 steps.
+        assert ran["v_first_calls"] == 4 * 4 * STEPS, ran
 
 
 def _assert_ring_ran(ran: dict, layout: str) -> None:
@@ -184,17 +208,17 @@ def _assert_v_major_ran(ran: dict, layout: str) -> None:
     assert set(ran["v_major_sparse"]) == {"qk+v", "o"}, ran
 
 
-@pytest.mark.parametrize("model, layout", [case for case in CASES if case[1] not in DEVICE_SEMANTICS])
+@pytest.mark.parametrize("model, layout", [_case(*case) for case in CASES if case[1] not in DEVICE_SEMANTICS])
 def test_stock_ulysses_matches_one_diffusers_process(generated, model, layout):
     reference = tiny_models.reference_images(model, PROMPT, seed=SEED, steps=STEPS)
-    stock = _images(generated[layout], model, "ulysses")
+    stock = _images(generated(layout), model, "ulysses")
     assert stock.shape == reference.shape
     assert compare(reference, stock)["max_abs_diff"] <= SINGLE_PROCESS_ATOL
 
 
 @pytest.mark.parametrize("layout", ["u2r2", "u2cfg2", "u4r1"])
 def test_where_ulysses_stays_inside_a_node_one_line_says_tapa_and_v_major_have_nothing_to_do(generated, layout):
-    lines = [line for line in (generated[layout] / "stderr.txt").read_text().splitlines() if "stays inside one node" in line]
+    lines = [line for line in (generated(layout) / "stderr.txt").read_text().splitlines() if "stays inside one node" in line]
     if layout == "u4r1":  # Ulysses spans both nodes
         assert lines == []
         return

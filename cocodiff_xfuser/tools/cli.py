@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     e2e.add_argument("--size", type=int, default=bench_e2e.DEFAULT_SIZE, help="image height and width")
     e2e.add_argument("--steps", type=int, default=bench_e2e.DEFAULT_STEPS)
     e2e.add_argument("--repeat", type=int, default=bench_e2e.DEFAULT_REPEAT, help="timed pipeline calls per configuration")
+    e2e.add_argument("--rounds", type=int, default=bench_e2e.DEFAULT_ROUNDS,
+                     help="runs of the whole series, every other one backwards; ratios are medians of each round's")
     e2e.add_argument("--configs", default=None, help=f"cocodiff's mechanisms, comma-separated, besides the stock layouts "
                      f"and the fair flat exchange; default: all of {','.join(bench_e2e.MECHANISMS)}")
     e2e.add_argument("--only", default=None, metavar="NAMES", help="only these configurations, comma-separated, by the "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -110,3 +111,24 @@ def test_the_series_holds_every_stock_layout_a_user_runs():
 def test_unknown_configuration_is_refused():
     with pytest.raises(ValueError, match="unknown configuration"):
         bench_e2e.bench_e2e("rail", mechanisms=("tapa+nothing",))
+
+
+def test_rounds_alternate_the_order_and_pair_each_ratio_within_a_round(monkeypatch):
+    """With rounds, odd rounds run the series backwards, and a ratio is the median of each round's
+    ratio: a host that slows down between rounds moves both configurations of a round alike."""
+    order = []
+
+    def run_config(fabric, model, run, config, repeat, work, timeout):
+        order.append(config.name)
+        slow = 1.0 + (len(order) - 1) // 3  # the host slows down from one round to the next
+        return {"seconds": slow * (2.0 if config.mechanism == "stock" else 1.0)}
+
+    monkeypatch.setattr(bench_e2e, "_run_config", run_config)
+    configs, _ = bench_e2e.configs_for("digits-flux", "rail", 2, 2, ["tapa"])
+    reports = bench_e2e._run_series(contextlib.nullcontext(), "digits-flux", None, configs[:2] + configs[3:], 1, 1.0, "", 3)
+    names = [c.name for c in configs[:2] + configs[3:]]
+    assert order == names + names[::-1] + names
+    assert bench_e2e._speedup(reports["stock U4"], reports["tapa U4"]) == 2.0
+    assert bench_e2e._seconds(reports["tapa U4"]) == 2.0
+    with pytest.raises(ValueError, match="--rounds must be at least 1"):
+        bench_e2e.bench_e2e("rail", rounds=0)

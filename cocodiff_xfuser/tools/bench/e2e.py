@@ -15,6 +15,12 @@ calls (``generate --sync-dir``) while this driver reads the fabric's tbf byte co
 bytes over slow links are measured for exactly the timed calls. Every configuration runs again with
 every link rate raised 100-fold (the floor): the step without link limits on the same ranks, so the
 report states how much of each step the links add. Everything is reported per denoising step.
+
+With ``rounds`` > 1 the whole series runs that many times, every other round in reverse order, and
+each ratio is the median over rounds of the two configurations' times within one round: a drift of
+the host (another job, thermal state) between two configurations' jobs then shows as spread across
+rounds rather than as a speed-up. Times are medians over rounds; images and counts are the first
+round's.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ REGIME_PARAMS = {
 FLOOR_FACTOR = 100
 DEFAULT_STEPS = 4
 DEFAULT_REPEAT = 3  # timed pipeline calls per configuration
+DEFAULT_ROUNDS = 1  # runs of the whole series (interleaved: see the module's docstring)
 TIMEOUT_S = 1800.0
 #: cocodiff's mechanisms, cumulatively, by name -> generate's backend variant. V-Major at its
 #: defaults, and in its auto mode at its default PSNR target, is lossy: its quality is reported
@@ -193,12 +200,16 @@ def _active_fraction(ran: dict) -> float | None:
 
 
 def _run_series(fabric: Fabric, model: str, run: Run, configs: Sequence[Config], repeat: int, timeout: float,
-                tag: str) -> dict[str, dict]:
-    reports = {}
+                tag: str, rounds: int) -> dict[str, list[dict]]:
+    """Each configuration's report per round (odd rounds run the series backwards)."""
+    reports: dict[str, list[dict]] = {c.name: [] for c in configs}
     with fabric, tempfile.TemporaryDirectory() as tmp:
-        for i, config in enumerate(configs):
-            print(f"  {tag}{config.name} ...", file=sys.stderr, flush=True)
-            reports[config.name] = _run_config(fabric, model, run, config, repeat, Path(tmp) / str(i), timeout)
+        for k in range(rounds):
+            order = list(configs) if k % 2 == 0 else list(reversed(configs))
+            for i, config in enumerate(order):
+                label = f"{tag}{config.name}" + (f" (round {k + 1} of {rounds})" if rounds > 1 else "")
+                print(f"  {label} ...", file=sys.stderr, flush=True)
+                reports[config.name].append(_run_config(fabric, model, run, config, repeat, Path(tmp) / f"{k}-{i}", timeout))
     return reports
 
 
@@ -215,10 +226,14 @@ def bench_e2e(
     mechanisms: Sequence[str] | None = None,
     floor: bool = True,
     names: Sequence[str] | None = None,
+    rounds: int = DEFAULT_ROUNDS,
 ) -> dict:
     """The stock layouts, the fair flat exchange and cocodiff's ``mechanisms`` (default: all) on the
     fabric, side by side (``names``: only those of them, by the report's names; stock over all
-    ranks and on each kept layout always runs); with ``floor``, each again with unlimited links."""
+    ranks and on each kept layout always runs); with ``floor``, each again with unlimited links;
+    the whole series ``rounds`` times, interleaved."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, not {rounds}")
     unknown = sorted(set(mechanisms or ()) - set(MECHANISMS))
     if unknown:
         raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(MECHANISMS)}")
@@ -241,41 +256,53 @@ def bench_e2e(
     tiny_models.ensure_fixture(model)
     load_before = os.getloadavg()[0]
     with one_at_a_time():
-        reports = _run_series(fabric, model, run, configs, repeat, timeout, "")
+        reports = _run_series(fabric, model, run, configs, repeat, timeout, "", rounds)
         floors = {}
         if floor:
             fast = {k: v * FLOOR_FACTOR for k, v in fabric.params.items() if k.endswith("_bps")}
             unlimited = Fabric(fabric_name, nodes, local, params=fabric.params | fast, fabric_id=fabric.fabric_id)
-            floors = _run_series(unlimited, model, run, configs, repeat, timeout, "floor: ")
+            floors = _run_series(unlimited, model, run, configs, repeat, timeout, "floor: ", rounds)
     # Another job on this host's two cores shows in these; judge a series run beside one with care.
     load = {"load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
-    return _report(model, fabric, run, configs, absent, reports, floors, repeat) | load
+    return _report(model, fabric, run, configs, absent, reports, floors, repeat, rounds) | load
 
 
-def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], absent: list[str], reports: dict,
-            floors: dict, repeat: int) -> dict:
+def _seconds(runs: list[dict]) -> float:
+    """A configuration's pipeline time: the median over rounds."""
+    return float(np.median([r["seconds"] for r in runs]))
+
+
+def _speedup(base: list[dict], runs: list[dict]) -> float:
+    """``base``'s time over ``runs``' time, paired within each round, the median over rounds."""
+    return float(np.median([b["seconds"] / r["seconds"] for b, r in zip(base, runs)]))
+
+
+def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], absent: list[str],
+            reports: dict[str, list[dict]], floors: dict[str, list[dict]], repeat: int, rounds: int) -> dict:
     steps = run.steps
     by_name = {c.name: c for c in configs}
     stock_un, fair = configs[0].name, next((c.name for c in configs if c.mechanism == "fair-flat"), None)
     stocks = [c.name for c in configs if c.mechanism == "stock"]  # every stock layout here is lossless
-    best = min(stocks, key=lambda name: reports[name]["seconds"])
-    best_floor = min(stocks, key=lambda name: floors[name]["seconds"]) if floors else None
+    best = min(stocks, key=lambda name: _seconds(reports[name]))
+    best_floor = min(stocks, key=lambda name: _seconds(floors[name])) if floors else None
     same_stock = {c.layout: c.name for c in configs if c.mechanism == "stock"}
     rows = []
-    for name, r in reports.items():
-        config = by_name[name]
+    for name, runs in reports.items():
+        config, r = by_name[name], runs[0]
         comm, per_step = r["comm"], 1.0 / (r["comm"]["runs"] * steps)
         hidden = sum((o["exchange_s"] - o["exposed_s"]) * o["calls"] for o in comm["overlap"] if o["label"].endswith(".v"))
         exposed_s = comm["blocked_s_max_over_ranks"] * per_step
         hidden_s = max(hidden, 0.0) * per_step
-        diff = compare(reports[same_stock[config.layout]]["images"], r["images"])
-        floor_s = floors[name]["seconds"] / steps if floors else None
-        step_s = r["seconds"] / steps
+        same = reports[same_stock[config.layout]]
+        diff = compare(same[0]["images"], r["images"])
+        floor_s = _seconds(floors[name]) / steps if floors else None
+        step_s = _seconds(runs) / steps
         rows.append({
             "name": name, "layout": config.layout.name, "layout_flags": config.layout.flags(),
             "mechanism": config.mechanism, "stock": config.mechanism == "stock",
             "lossy": config.mechanism in LOSSY,
             "step_s": step_s,
+            "step_s_rounds": [x["seconds"] / steps for x in runs],
             "floor_step_s": floor_s,
             "links_share": None if floor_s is None else max(0.0, 1.0 - floor_s / step_s),
             "comm_s": exposed_s + hidden_s,
@@ -289,13 +316,14 @@ def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], abs
             "max_abs_diff": diff["max_abs_diff"],
             "bitwise_equal": diff["bitwise_equal"],
             # Against stock Ulysses over all ranks: every layout's images beside one reference.
-            **_quality(reports[stock_un]["images"], r["images"]),
+            **_quality(reports[stock_un][0]["images"], r["images"]),
             "v_major_active_fraction": _active_fraction(r["ran"]),
-            "speedup_vs_best_stock": reports[best]["seconds"] / r["seconds"],
-            "speedup_vs_stock": reports[stock_un]["seconds"] / r["seconds"],
-            "speedup_vs_same_layout": reports[same_stock[config.layout]]["seconds"] / r["seconds"],
-            "speedup_vs_fair": reports[fair]["seconds"] / r["seconds"] if fair else None,
-            "floor_speedup_vs_best_stock": floors[best_floor]["seconds"] / floors[name]["seconds"] if floors else None,
+            "speedup_vs_best_stock": _speedup(reports[best], runs),
+            "speedup_vs_stock": _speedup(reports[stock_un], runs),
+            "speedup_vs_same_layout": _speedup(same, runs),
+            "speedup_vs_same_layout_rounds": [b["seconds"] / x["seconds"] for b, x in zip(same, runs)],
+            "speedup_vs_fair": _speedup(reports[fair], runs) if fair else None,
+            "floor_speedup_vs_best_stock": _speedup(floors[best_floor], floors[name]) if floors else None,
             "exchanges_by_algorithm": r["ran"]["exchanges"],
             "fallbacks": r["ran"]["fallbacks"],
         })
@@ -314,7 +342,9 @@ def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], abs
         "size": run.height,
         "steps": steps,
         "timed_runs": repeat,
-        "per": "denoising step (median pipeline time / steps; communication summed over the timed runs / steps)",
+        "rounds": rounds,
+        "per": "denoising step (median pipeline time / steps, the median over rounds; communication summed over "
+               "the first round's timed runs / steps); ratios: the median over rounds of each round's ratio",
         "best_stock": best,
         "best_stock_step_s": best_row["step_s"],
         "best_stock_floor": best_floor,
@@ -336,7 +366,8 @@ def _ratio(value: float | None) -> str:
 def format_report(report: dict) -> str:
     lines = [
         f"{report['model']} {report['size']}x{report['size']}, {report['steps']} steps, {report['world_size']} ranks "
-        f"on {report['fabric']} {report['nodes']}x{report['local']} ({report['timed_runs']} timed runs)",
+        f"on {report['fabric']} {report['nodes']}x{report['local']} ({report['timed_runs']} timed runs"
+        + (f"; {report['rounds']} rounds, interleaved: medians of each round's ratio" if report["rounds"] > 1 else "") + ")",
         f"regime: {report['regime']}; fabric {', '.join(f'{k}={v:g}' for k, v in sorted(report['fabric_params'].items()))}",
         f"headline: against the best lossless stock layout ({report['best_stock']}); beside it against "
         + (f"{report['fair_flat']} (stock's algorithm on the fair flat exchange) and against " if report["fair_flat"] else "")
@@ -378,7 +409,7 @@ def run_cli(args) -> int:
     for nodes, local in shapes:
         report = bench_e2e(args.fabric, args.model, nodes, local, args.size, args.steps, args.repeat, params or None,
                            args.timeout, args.configs.split(",") if args.configs else None, floor=not args.no_floor,
-                           names=args.only.split(",") if args.only else None)
+                           names=args.only.split(",") if args.only else None, rounds=args.rounds)
         stem = f"e2e-{args.model}-{args.fabric}" + (f"-{nodes}x{local}" if args.shapes else "")
         (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
         if plots.available():
