@@ -15,6 +15,7 @@ import pytest
 
 from cocodiff_xfuser.comm.transport import DEVICE_SEMANTICS_ENV
 from cocodiff_xfuser.tools import launcher
+from cocodiff_xfuser.tools.models import digits
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.verify import PROMPT, Run, compare
@@ -51,9 +52,17 @@ SLOW_LAYOUTS = {"u2r4", "u2r4-device"}
 DEVICE_MODELS = ["digits-flux", "digits-sd3", "tiny-wan"]
 
 
+# Ulysses 2 over two nodes of one (the autotune's choice in a real pipeline, V-Major's one-phase
+# sparse exchange) on the random-weight models; the trained ones take the same code on every other
+# layout (every variant on Ulysses 4 over 2x2).
+RANDOM_WEIGHT_MODELS = [m for m in MODELS if m not in digits.TRAINED]
+
+
 def _models(layout: str) -> list[str]:
     if layout in SLOW_LAYOUTS:
         return MODELS
+    if layout == "u2r1":
+        return RANDOM_WEIGHT_MODELS
     return DEVICE_MODELS if layout in DEVICE_SEMANTICS else CFG_MODELS if LAYOUTS[layout][2] else MODELS
 
 

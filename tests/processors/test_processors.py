@@ -153,6 +153,7 @@ def test_an_exchange_runs_code_in_at_most_six_product_modules(reports, layout):
     assert "CASE exchange_modules ok" in reports[layout], reports[layout]
 
 
+@pytest.mark.slow  # a 4-rank job of its own; make test keeps the rule for flat and flat-p2p (above)
 @pytest.mark.distributed
 def test_an_exchange_across_nodes_runs_code_in_at_most_six_product_modules():
     """The same on Ulysses 4 over two emulated nodes, for TAPA and the PXN-like relay."""
