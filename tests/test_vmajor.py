@@ -89,10 +89,10 @@ def test_auto_trial_alternates_exact_and_sparse_steps():
     assert vmajor_clock.TRIAL_PAIRS == 3
 
 
-# (sparse step seconds, exact step seconds) per trial step; a list: per pair of steps, in order.
+# (a sparse step's seconds in each of the three pairs, an exact step's seconds)
 @pytest.mark.parametrize("sparse_s, exact_s, stays_on", [
-    (1.0, 2.0, True),
-    (2.0, 1.5, False),
+    ([1.0, 1.0, 1.0], 2.0, True),
+    ([2.0, 2.0, 2.0], 1.5, False),
     # Faster in two pairs of three, slower in one: a median below 1 without evidence; off.
     ([1.0, 1.0, 2.0], 1.5, False),
 ])
@@ -110,7 +110,7 @@ def test_auto_trial_times_whole_steps_and_turns_v_major_off_where_they_are_not_f
         if clock.trial is not None:
             assert clock.exact_step() == clock.trial.exact(step)
         pair = min(max(step - 2, 0) // 2, 2)
-        now[0] += exact_s if clock.exact_step() else sparse_s[pair] if isinstance(sparse_s, list) else sparse_s
+        now[0] += exact_s if clock.exact_step() else sparse_s[pair]
     assert clock.trial is None and clock.off is not stays_on  # decided at step 8, after the third pair
     assert (commstats.ran()["fallbacks"] == {}) is stays_on
     # A new pipeline call keeps the decision; a trial cut short by a new call starts over.

@@ -272,9 +272,14 @@ def _seconds(runs: list[dict]) -> float:
     return float(np.median([r["seconds"] for r in runs]))
 
 
+def _ratios(base: list[dict], runs: list[dict]) -> list[float]:
+    """``base``'s time over ``runs``' time, round by round."""
+    return [b["seconds"] / r["seconds"] for b, r in zip(base, runs)]
+
+
 def _speedup(base: list[dict], runs: list[dict]) -> float:
     """``base``'s time over ``runs``' time, paired within each round, the median over rounds."""
-    return float(np.median([b["seconds"] / r["seconds"] for b, r in zip(base, runs)]))
+    return float(np.median(_ratios(base, runs)))
 
 
 def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], absent: list[str],
@@ -321,7 +326,7 @@ def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], abs
             "speedup_vs_best_stock": _speedup(reports[best], runs),
             "speedup_vs_stock": _speedup(reports[stock_un], runs),
             "speedup_vs_same_layout": _speedup(same, runs),
-            "speedup_vs_same_layout_rounds": [b["seconds"] / x["seconds"] for b, x in zip(same, runs)],
+            "speedup_vs_same_layout_rounds": _ratios(same, runs),
             "speedup_vs_fair": _speedup(reports[fair], runs) if fair else None,
             "floor_speedup_vs_best_stock": _speedup(floors[best_floor], floors[name]) if floors else None,
             "exchanges_by_algorithm": r["ran"]["exchanges"],
