@@ -82,42 +82,54 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_auto_trial_alternates_exact_and_sparse_steps():
+def test_auto_trial_rotates_its_arms_round_by_round():
     trial = vmajor_clock.Trial(first=2)
-    # Pairs (sparse, exact), (exact, sparse), (sparse, exact) from step 2; outside them, no trial step is exact.
-    assert [trial.exact(s) for s in range(10)] == [False, False, False, True, True, False, False, True, False, False]
-    assert vmajor_clock.TRIAL_PAIRS == 3
+    # Rounds (v-major, v-first, stock), (v-first, stock, v-major), (stock, v-major, v-first) from step 2.
+    assert [trial.arm(s) for s in range(12)] == [
+        None, None, "v-major", "v-first", "stock", "v-first", "stock", "v-major", "stock", "v-major", "v-first", None,
+    ]
+    assert vmajor_clock.TRIAL_ROUNDS == 3
+    two = vmajor_clock.Trial(first=1, arms=("v-major", "v-first"))  # heads padded: no stock arm
+    assert [two.arm(s) for s in range(8)] == [None, "v-major", "v-first", "v-first", "v-major", "v-major", "v-first", None]
 
 
-# (a sparse step's seconds in each of the three pairs, an exact step's seconds)
-@pytest.mark.parametrize("sparse_s, exact_s, stays_on", [
-    ([1.0, 1.0, 1.0], 2.0, True),
-    ([2.0, 2.0, 2.0], 1.5, False),
-    # Faster in two pairs of three, slower in one: a median below 1 without evidence; off.
-    ([1.0, 1.0, 2.0], 1.5, False),
+# Each arm's seconds per step in each of the three rounds; the arm the job runs after the trial.
+@pytest.mark.parametrize("seconds, runs", [
+    ({"v-major": [1.0, 1.0, 1.0], "v-first": [2.0] * 3, "stock": [2.0] * 3}, "v-major"),
+    ({"v-major": [2.0, 2.0, 2.0], "v-first": [1.5] * 3, "stock": [1.5] * 3}, "v-first"),
+    # Faster in two rounds of three, slower in one: a median below 1 without evidence; off.
+    ({"v-major": [1.0, 1.0, 2.0], "v-first": [1.5] * 3, "stock": [1.6] * 3}, "v-first"),
+    # Faster than V-First in every round but not than the stock processors: off, and V-First too.
+    ({"v-major": [1.0, 1.0, 1.0], "v-first": [1.2] * 3, "stock": [0.9] * 3}, "stock"),
+    # V-First slower than stock in two rounds of three: the median picks stock (both exact).
+    ({"v-major": [2.0] * 3, "v-first": [1.1, 1.1, 0.9], "stock": [1.0] * 3}, "stock"),
+    # A tie keeps V-First.
+    ({"v-major": [2.0] * 3, "v-first": [1.0] * 3, "stock": [1.0] * 3}, "v-first"),
 ])
-def test_auto_trial_times_whole_steps_and_turns_v_major_off_where_they_are_not_faster(
-    one_rank_group, monkeypatch, sparse_s, exact_s, stays_on
-):
+def test_auto_trial_times_whole_steps_and_keeps_the_fastest_arm(one_rank_group, monkeypatch, seconds, runs):
     from cocodiff_xfuser import commstats
 
-    commstats.reset()
+    commstats.reset_ran()
     clock = vmajor_clock.Clock(trial_from=2)
     now = [0.0]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])  # what every timing reads
-    for step in range(10):
-        clock.tick(torch.tensor([1.0 - step / 10]))
-        if clock.trial is not None:
-            assert clock.exact_step() == clock.trial.exact(step)
-        pair = min(max(step - 2, 0) // 2, 2)
-        now[0] += exact_s if clock.exact_step() else sparse_s[pair]
-    assert clock.trial is None and clock.off is not stays_on  # decided at step 8, after the third pair
-    assert (commstats.ran()["fallbacks"] == {}) is stays_on
+    arms = []
+    for step in range(13):
+        clock.tick(torch.tensor([1.0 - step / 20]))
+        arm = None if clock.trial is None else clock.trial.arm(step)
+        arms.append(arm)
+        assert clock.exact_step() == (arm in ("v-first", "stock"))
+        assert clock.stock_step() == (arm == "stock" or clock.stock)
+        now[0] += seconds[arm][arms.count(arm) - 1] if arm else 1.0
+    assert clock.trial is None and (clock.off, clock.stock) == (runs != "v-major", runs == "stock")  # decided at step 11
+    fallbacks = commstats.ran()["fallbacks"]
+    assert fallbacks.get("v-major: steps not faster than exact steps", 0) == (runs != "v-major")
+    assert fallbacks.get("v-first: steps not faster than stock processors' steps", 0) == (runs == "stock")
     # A new pipeline call keeps the decision; a trial cut short by a new call starts over.
     short = vmajor_clock.Clock(trial_from=1)
     for t in (1.0, 0.9, 0.8, 1.0):
         short.tick(t)
-    assert short.trial is not None and short.trial.times == [] and not short.off
+    assert short.trial is not None and short.trial.times == [] and not short.off and not short.stock
 
 
 def _layer(**overrides) -> policy.Layer:
@@ -243,28 +255,36 @@ def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     assert not np.array_equal(exact[0], images[0])  # V-Major is lossy; the budget fall-back is exact
 
 
-@pytest.mark.slow  # auto's trial needs 10 steps per call
+@pytest.mark.slow  # auto's trial needs 12 steps per call
 @pytest.mark.distributed
 def test_auto_decides_in_the_first_call_and_keeps_its_decision(tmp_path):
-    """Auto's speed check (timed steps in the first call) keeps V-Major on or turns it off for the
-    job, counted either way; turned off, the later images are V-First's, bitwise."""
+    """Auto's speed check (timed steps in the first call, three arms) keeps V-Major on or turns it
+    off for the job (and V-First with it where xfuser's processors were faster), counted either way;
+    turned off, the later images are V-First's, bitwise."""
     variants = {
         "auto": {"sp_backend": "cocodiff", "cocodiff_v_major": "auto", "cocodiff_v_major_if_slower": "stop"},
         "vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "off"},
     }
-    # 10 steps: auto's trial (steps 2 to 7) decides at step 8 of the first call.
-    generated = _three_calls(tmp_path, variants, steps=10)
-    # Auto: in the first call, its trial ran steps 3, 4 and 7 as V-First alone (exact, no selection).
+    # 12 steps: auto's trial (steps 2 to 10) decides at step 11 of the first call.
+    generated = _three_calls(tmp_path, variants, steps=12)
+    # Auto, first call: its trial ran steps 3, 5, 10 as V-First alone (exact, no selection) and 4, 6, 8
+    # on xfuser's processors over cocodiff's exchange.
     first, later = generated("auto")[1]["ran"], generated("vfirst")[0]
     layers, ranks = 6, 4
-    trial_exact = 3 * layers * ranks * 3  # exact steps x layers x ranks x exchanges (v, qk, out)
+    trial_exact = 3 * layers * ranks * (3 + 2)  # steps x layers x ranks x exchanges (v, qk, out; stock: qkv, out)
     off = first["fallbacks"].get("v-major: steps not faster than exact steps", 0)
+    stock = first["fallbacks"].get("v-first: steps not faster than stock processors' steps", 0)
+    stock_calls = first["fallbacks"]["v-first: stock processors' step (auto)"]
+    assert stock in (0, ranks), first
     assert sum(first["exchanges"].get(a, 0) for a in ("flat", "flat-p2p", "flat-pxn")) >= trial_exact, first
     if off:  # after the trial, every exchange exact: the later images are V-First's, bitwise
-        assert off == ranks and first["v_major_sparse"]["qk+v"] == 4 * layers * ranks, first  # steps 1, 2, 5 and 6
+        assert off == ranks and first["v_major_sparse"]["qk+v"] == 4 * layers * ranks, first  # steps 1, 2, 7 and 9
         assert np.array_equal(generated("auto")[0][1:], later[1:])
+        # Stock from step 11 on (the rest of the first call, every later call), or the trial's steps only.
+        assert stock_calls == (3 + 1 + 2 * 12) * layers * ranks if stock else 3 * layers * ranks, first
     else:
         assert first["v_major_sparse"]["qk+v"] > 4 * layers * ranks, first  # sparse in the later calls too
+        assert not stock and stock_calls == 3 * layers * ranks, first
 
 
 def test_ring_peers_hold_what_the_sender_references():

@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from cocodiff_xfuser import padding
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import policy, ring
@@ -125,13 +126,16 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
     if clock is None:
         # The ring's counts must be known to ring peers in every Ulysses group: agreed over the world.
         group = None if exchanger.ring_remote else exchanger.group
-        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, group, settings)
+        # Auto may hand steps to xfuser's processors, unless heads padded to the degree need ours.
+        stock = padding.required() is None
+        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, group, settings, stock)
+    ours = tuple(replacements().values())
+    processors = [p for p in (getattr(m, "processor", None) for m in transformer.modules()) if isinstance(p, ours)]
+    for processor in processors:
+        processor.clock = clock
+        if exchanger.slow_level is not None and processor.v_major is None:
+            processor.v_major = policy.Layer(clock, settings)
     if exchanger.slow_level is not None:
-        ours = tuple(replacements().values())
-        for module in transformer.modules():
-            processor = getattr(module, "processor", None)
-            if isinstance(processor, ours) and processor.v_major is None:
-                processor.v_major = policy.Layer(clock, settings)
         logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
     if exchanger.ring_remote:
         if "_cocodiff_ring" not in transformer.__dict__:

@@ -26,6 +26,7 @@ from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.exchanger import Exchanger, heads, sequence
 from cocodiff_xfuser.vmajor import policy
+from cocodiff_xfuser.vmajor.clock import Clock
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
@@ -34,10 +35,12 @@ _warned: set[str] = set()
 class VFirst:
     """Base of the V-First processors: ``exchanger`` is the job's (given at installation; without
     one, or once it is closed, every call takes the stock path), ``v_major`` the layer's V-Major
-    state, when it is on."""
+    state, when it is on, and ``clock`` its transformer's step clock under V-Major (auto's speed
+    check may send a step's calls to the stock processor: :meth:`.Clock.stock_step`)."""
 
     exchanger: Exchanger | None = None
     v_major: policy.Layer | None = None
+    clock: Clock | None = None
 
 
 class PendingExchange:
@@ -321,6 +324,12 @@ def fallback_reason(
         device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
         anyone = any_rank(local is not None, exchanger.group, device)
         agreed[key] = local if local is not None or not anyone else "a fall-back on another rank"
+    clock = getattr(processor, "clock", None)
+    if agreed[key] is None and clock is not None and clock.stock_step() and padding.required() is None:
+        # Auto's choice, from the step and agreed times: the same on every rank; not a warning.
+        reason = "stock processors' step (auto)"
+        commstats.count_fallback(f"v-first: {reason}")
+        return reason
     return _counted(agreed[key])
 
 

@@ -18,66 +18,88 @@ from cocodiff_xfuser.vmajor.state import Budget
 logger = logging.getLogger("cocodiff_xfuser")
 
 
-#: Pairs of steps, one with V-Major's exchanges and one exact, that auto times (:class:`Trial`).
-TRIAL_PAIRS = 3
+#: Rounds of auto's speed check, each one step per way of running a step (:class:`Trial`).
+TRIAL_ROUNDS = 3
+#: The ways auto's speed check runs steps: with V-Major; as V-First alone (exact exchanges, no
+#: selection); with xfuser's own attention processors over cocodiff's exchange (exact too).
+ARMS = ("v-major", "v-first", "stock")
 
 
 class Trial:
-    """Auto's speed check: whether V-Major makes this job's steps faster, measured on whole steps.
+    """Auto's speed check: which way of running this job's steps is fastest, measured on whole steps.
 
-    From step ``first`` (the end of the warm-up) of a pipeline call, ``TRIAL_PAIRS`` pairs of steps
-    run one with V-Major and one as V-First alone (exact exchanges, no selection, no caches touched:
-    the next step's residuals are still against what the receivers hold), in alternating order
-    (sparse first, then exact first...) so that a drift hits both alike, like the autotune's paired
-    timings. A step's time runs from its first transformer call to the next step's, the device
-    synchronized at both ends, and counts everything V-Major adds or saves: selection, residuals,
-    caches and all of a layer's exchanges. Each step's time is the MAX over the group (one
-    all-reduce, so every rank takes the same decision). V-Major is lossy, so it stays on only with
-    evidence that it pays, as the autotune leaves the flat exchange: the distribution-free upper
-    bound of the median of the pairs' ratios (sparse / exact; with three pairs, the largest) is
-    below 1. A tie within the timing noise turns it off. A pipeline call too short for the trial
-    leaves it to the next one.
+    From step ``first`` (the end of the warm-up) of a pipeline call, ``TRIAL_ROUNDS`` rounds each
+    run one step per arm of ``arms`` (:data:`ARMS`, or without ``stock`` where the model needs
+    cocodiff's processors), the order rotated round by round so that every arm takes every place
+    once and a drift hits all alike, like the autotune's paired timings. The exact arms touch no
+    cache: the next sparse step's residuals are still against what the receivers hold. A step's
+    time runs from its first transformer call to the next step's, the device synchronized at both
+    ends, and counts everything an arm adds or saves (selection, residuals, caches, V's early
+    exchange competing with the Q/K projections for the cores). Each step's time is the MAX over
+    the group (one all-reduce, so every rank takes the same decision).
+
+    V-Major is lossy, so it stays on only with evidence that it pays, as the autotune leaves the
+    flat exchange: against each exact arm, the distribution-free upper bound of the median of the
+    rounds' ratios (V-Major / that arm; with three rounds, the largest) is below 1. A tie within
+    the timing noise turns it off. Between the exact arms, which give the same image bitwise, the
+    median ratio picks (a tie keeps V-First). A pipeline call too short for the trial leaves it to
+    the next one.
     """
 
-    def __init__(self, first: int) -> None:
-        self.first = first
+    def __init__(self, first: int, arms: tuple[str, ...] = ARMS) -> None:
+        self.first, self.arms = first, arms
         self.times: list[float] = []  # the trial's steps so far, in step order
         self._started: float | None = None
 
-    def exact(self, step: int) -> bool:
-        """Whether ``step`` is one of the trial's exact steps."""
+    def arm(self, step: int) -> str | None:
+        """The arm ``step`` runs (None: outside the trial)."""
         i = step - self.first
-        if not 0 <= i < 2 * TRIAL_PAIRS:
-            return False
-        pair, second = divmod(i, 2)
-        return (second == 1) == (pair % 2 == 0)
+        if not 0 <= i < len(self.arms) * TRIAL_ROUNDS:
+            return None
+        round_, place = divmod(i, len(self.arms))
+        return self.arms[(place + round_) % len(self.arms)]
 
     def restart(self) -> None:
         self.times, self._started = [], None
 
-    def at_step(self, step: int, device: torch.device, group: Any) -> bool | None:
+    def at_step(self, step: int, device: torch.device, group: Any) -> str | None:
         """At the start of ``step`` (every rank, the same steps): time the step that ended, and once
-        all of the trial's have, decide: whether V-Major's steps are faster (None: not decided)."""
-        if not self.first <= step <= self.first + 2 * TRIAL_PAIRS:
+        all of the trial's have, decide: the arm the job runs from now on (None: not decided)."""
+        last = self.first + len(self.arms) * TRIAL_ROUNDS
+        if not self.first <= step <= last:
             return None
         stamp = timing.now(device)
         if self._started is not None:
             self.times.append(stamp - self._started)
         self._started = stamp
-        if step < self.first + 2 * TRIAL_PAIRS:
+        if step < last:
             return None
-        by_kind: dict[str, list[float]] = {"sparse": [], "exact": []}  # pair by pair
+        by_arm: dict[str, list[float]] = {arm: [] for arm in self.arms}  # round by round
         for i, seconds in enumerate(timing.slowest(self.times, group, device)):
-            by_kind["exact" if self.exact(self.first + i) else "sparse"].append(seconds)
-        ratios = timing.paired_ratios(by_kind, "exact")["sparse"]
-        ratio, bound = statistics.median(ratios), timing.median_upper_bound(ratios)
+            by_arm[self.arm(self.first + i)].append(seconds)
+        return self._decide(by_arm)
+
+    def _decide(self, by_arm: dict[str, list[float]]) -> str:
+        exact = [arm for arm in self.arms if arm != "v-major"]
+        sparse = {arm: timing.paired_ratios(by_arm, arm)["v-major"] for arm in exact}
+        ratio = max(statistics.median(r) for r in sparse.values())
+        bound = max(timing.median_upper_bound(r) for r in sparse.values())
         if bound < 1.0:
             logger.info("cocodiff: V-Major's steps took %.2fx exact steps' time (at most %.2fx); V-Major stays on", ratio, bound)
-            return True
+            return "v-major"
         logger.warning("cocodiff: V-Major off: its steps took %.2fx exact steps' time (up to %.2fx): not faster beyond "
                        "the timing noise (the links are not the bottleneck)", ratio, bound)
         commstats.count_fallback("v-major: steps not faster than exact steps")
-        return False
+        if "stock" not in exact:
+            return "v-first"
+        v_first = statistics.median(timing.paired_ratios(by_arm, "stock")["v-first"])
+        if v_first <= 1.0:
+            logger.info("cocodiff: V-First's steps took %.2fx stock processors' time; V-First stays on", v_first)
+            return "v-first"
+        logger.warning("cocodiff: V-First off: its steps took %.2fx the stock processors' time over cocodiff's exchange "
+                       "(V's early exchange does not hide here); stock processors from now on", v_first)
+        commstats.count_fallback("v-first: steps not faster than stock processors' steps")
+        return "stock"
 
 
 class Clock:
@@ -87,17 +109,18 @@ class Clock:
     step (true CFG's second branch); a higher one (or the first), a new pipeline call.
     """
 
-    def __init__(self, group: Any = None, trial_from: int | None = None) -> None:
+    def __init__(self, group: Any = None, trial_from: int | None = None, arms: tuple[str, ...] = ARMS) -> None:
         self.call = 0
         self.step = 0
         self.branch = 0
         self.layers = 0  # V-Major layers attached to this clock
         self.budget = Budget()  # their caches
         self.group = group  # the Ulysses group the layers' counts are agreed over (policy budget)
-        # Auto's speed check from step ``trial_from`` (None: none), until it decides; ``off``: it
-        # found V-Major's steps not faster, and every exchange is exact for the rest of the job.
-        self.trial = None if trial_from is None else Trial(trial_from)
-        self.off = False
+        # Auto's speed check from step ``trial_from`` over ``arms`` (None: none), until it decides;
+        # ``off``: it found V-Major's steps not faster, and every exchange is exact for the rest of
+        # the job; ``stock``: it found V-First's not faster either, and xfuser's processors take over.
+        self.trial = None if trial_from is None else Trial(trial_from, arms)
+        self.off = self.stock = False
         # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
@@ -121,9 +144,9 @@ class Clock:
         self._last = t
         if self.trial is not None and self.branch == 0:
             device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
-            faster = self.trial.at_step(self.step, device, self.agreement_group())
-            if faster is not None:
-                self.trial, self.off = None, not faster
+            arm = self.trial.at_step(self.step, device, self.agreement_group())
+            if arm is not None:
+                self.trial, self.off, self.stock = None, arm != "v-major", arm == "stock"
 
     def agreement_group(self) -> Any:
         """The group the clock's agreements run over: the Ulysses group, or WORLD where none was given
@@ -132,7 +155,12 @@ class Clock:
 
     def exact_step(self) -> bool:
         """Whether this step runs without V-Major (one of auto's timed exact steps)."""
-        return self.trial is not None and self.trial.exact(self.step)
+        return self.trial is not None and self.trial.arm(self.step) not in (None, "v-major")
+
+    def stock_step(self) -> bool:
+        """Whether this step's attention runs xfuser's processors over cocodiff's exchange (auto found
+        V-First not faster, or this is one of its timed stock steps)."""
+        return self.stock or (self.trial is not None and self.trial.arm(self.step) == "stock")
 
     def need(self, layer: int, share: torch.Tensor) -> None:
         """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget
@@ -177,10 +205,13 @@ class Clock:
             self.shares, self._agreeing = needed.tolist(), None
 
 
-def attach_clock(transformer: torch.nn.Module, group: Any = None, settings: VMajorSettings | None = None) -> Clock:
+def attach_clock(
+    transformer: torch.nn.Module, group: Any = None, settings: VMajorSettings | None = None, stock: bool = True
+) -> Clock:
     """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument) and
     settled after it; ``group``: the Ulysses group of its V-Major layers; ``settings``: theirs (auto,
-    unless ``if_slower: keep``, times its steps against exact ones)."""
+    unless ``if_slower: keep``, times its steps against exact ones: V-First's and, with ``stock``,
+    xfuser's processors')."""
 
     def before(module, args, kwargs) -> None:
         timestep = kwargs.get("timestep")
@@ -189,7 +220,8 @@ def attach_clock(transformer: torch.nn.Module, group: Any = None, settings: VMaj
         clock.tick(timestep)
 
     trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
-    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None)
+    arms = ARMS if stock else tuple(arm for arm in ARMS if arm != "stock")
+    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms)
     transformer.register_forward_pre_hook(before, with_kwargs=True)
     transformer.register_forward_hook(lambda module, args, output: clock.settle())
     return clock
