@@ -13,6 +13,7 @@ import torch
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import policy, state
 from cocodiff_xfuser.comm import timing
+from cocodiff_xfuser.comm.transport import DEVICE_SEMANTICS_ENV
 from cocodiff_xfuser.settings import DEFAULT_MIN_PSNR_DB, POLICIES, SCOPES, VMajorSettings, error_for
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
@@ -222,7 +223,7 @@ def test_auto_maps_the_psnr_target_through_the_calibration(tmp_path):
         error_for(38.0, tmp_path / "none.yaml")
 
 
-def _three_calls(tmp_path, variants: dict, steps: int) -> Callable[[str], tuple[np.ndarray, dict]]:
+def _three_calls(tmp_path, variants: dict, steps: int, env: dict | None = None) -> Callable[[str], tuple[np.ndarray, dict]]:
     """One torchrun job on digits-flux (2x2): V-Major on, and each variant, generating digit 7,
     digit 3, digit 7 (every variant builds its own pipeline, so its first call starts fresh); the
     images and the result of a backend."""
@@ -231,7 +232,7 @@ def _three_calls(tmp_path, variants: dict, steps: int) -> Callable[[str], tuple[
     (tmp_path / "variants.json").write_text(json.dumps(variants))
     run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", steps=steps, extra=("--cocodiff_v_major", "on"))
     argv = run.argv(("cocodiff", *variants), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
-    launcher.torchrun(4, argv, timeout=600)
+    launcher.torchrun(4, argv, env=env, timeout=600)
 
     def generated(backend: str) -> tuple[np.ndarray, dict]:
         where = output_dir(tmp_path, tiny_models.SPECS[digits.NAME].model_id, backend)
@@ -265,8 +266,11 @@ def test_auto_decides_in_the_first_call_and_keeps_its_decision(tmp_path):
         "auto": {"sp_backend": "cocodiff", "cocodiff_v_major": "auto", "cocodiff_v_major_if_slower": "stop"},
         "vfirst": {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "off"},
     }
-    # 12 steps: auto's trial (steps 2 to 10) decides at step 11 of the first call.
-    generated = _three_calls(tmp_path, variants, steps=12)
+    # 12 steps: auto's trial (steps 2 to 10) decides at step 11 of the first call. Under a device
+    # backend's rules, with the order audit.
+    generated = _three_calls(tmp_path, variants, steps=12, env={DEVICE_SEMANTICS_ENV: "1"})
+    launches = generated("auto")[1]["launches"]
+    assert len(launches) == 4 and all(sequence == launches[0] for sequence in launches[1:]), "ranks launched apart"
     # Auto, first call: its trial ran steps 3, 5, 10 as V-First alone (exact, no selection) and 4, 6, 8
     # on xfuser's processors over cocodiff's exchange.
     first, later = generated("auto")[1]["ran"], generated("vfirst")[0]
