@@ -36,24 +36,29 @@ def run_cases(nproc: int, cases: list[str], env: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[tuple[str, int], str | TorchrunError]:
-    """Each run's report (or its failure), launched at its first use: a run whose tests are
-    deselected never starts, and a failed one is not launched again for every case."""
-    return {}
+def report():
+    """``report(mode, nproc)``: that run's output, launched at its first use (as the equivalence
+    suite's jobs: a run whose tests are deselected never starts); a failed run is raised again for
+    every case, not launched again."""
+    outputs: dict[tuple[str, int], str | TorchrunError] = {}
+
+    def output(mode: str, nproc: int) -> str:
+        if (mode, nproc) not in outputs:
+            try:
+                outputs[mode, nproc] = run_cases(nproc, CASES, MODES[mode])
+            except TorchrunError as e:
+                outputs[mode, nproc] = e
+        if isinstance(outputs[mode, nproc], TorchrunError):
+            raise outputs[mode, nproc]
+        return outputs[mode, nproc]
+
+    return output
 
 
 @pytest.mark.parametrize("mode, nproc", RUNS)
 @pytest.mark.parametrize("case", CASES)
-def test_case(reports, mode, nproc, case):
-    if (mode, nproc) not in reports:
-        try:
-            reports[mode, nproc] = run_cases(nproc, CASES, MODES[mode])
-        except TorchrunError as e:
-            reports[mode, nproc] = e
-    report = reports[mode, nproc]
-    if isinstance(report, TorchrunError):
-        raise report
-    assert f"CASE {case} ok" in report, report
+def test_case(report, mode, nproc, case):
+    assert f"CASE {case} ok" in report(mode, nproc), report(mode, nproc)
 
 
 def test_device_semantics_catches_a_misordered_batch():
