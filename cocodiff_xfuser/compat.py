@@ -11,6 +11,7 @@ what is installed. A leaf: it imports nothing of cocodiff, so every layer may us
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import importlib.metadata
@@ -49,6 +50,10 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     # The rotater ring attention moves K/V with, created per call: under cocodiff, the exchanger's.
     (RING_ATTENTION, "_create_rotater"),
+    # dynamo's counters (frames converted, graph breaks) and its reset: what a compiled job did, per
+    # backend (tools/generate.py).
+    ("torch._dynamo.utils", "counters"),
+    ("torch._dynamo", "reset"),
     # The CPU flash kernel that returns the log-sum-exp ring attention merges with (tests on CPU).
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
 )
@@ -95,6 +100,38 @@ def wrap(owner: object, name: str, make: Callable[[Callable], Callable]) -> None
     wrapped = functools.update_wrapper(make(original), original)
     wrapped._cocodiff_wrapped = True  # type: ignore[attr-defined]
     setattr(owner, name, kind(wrapped) if kind else wrapped)
+
+
+class When(enum.Enum):
+    """When a switched patch (:func:`switch`) is installed: while a cocodiff job runs, and also..."""
+
+    COCODIFF = "never else"
+    EAGER = "in an eager stock job (counting what ran)"
+    ENABLEMENT = "on hosts whose stock xfuser needs it (XPU, CPU)"
+
+
+_SWITCHES: list[tuple[object, str, Callable, Callable, When]] = []
+
+
+def switch(owner: object, name: str, make: Callable[[Callable], Callable], when: When) -> None:
+    """Patch ``owner.name`` with ``make(original)`` only while :func:`use_switches` says ``when``
+    holds; xfuser's own otherwise. Code that a compiled transformer runs is patched this way, so a
+    compiled stock job traces xfuser's functions, not cocodiff's (nothing of ours to guard on)."""
+    original = target(owner, name)
+    if any(o is owner and n == name for o, n, *_ in _SWITCHES):
+        return
+    wrapped = functools.update_wrapper(make(original), original)
+    wrapped._cocodiff_wrapped = True  # type: ignore[attr-defined]
+    _SWITCHES.append((owner, name, original, wrapped, when))
+    setattr(owner, name, wrapped)  # until a job says otherwise: each patch checks at run time too
+
+
+def use_switches(cocodiff: bool, compiled: bool, enablement: bool) -> None:
+    """Install each switched patch whose condition holds (a job ``cocodiff`` or stock, ``compiled``
+    or eager, on a host that needs the platform ``enablement``), xfuser's own function elsewhere."""
+    holds = {When.COCODIFF: cocodiff, When.EAGER: cocodiff or not compiled, When.ENABLEMENT: cocodiff or enablement}
+    for owner, name, original, wrapped, when in _SWITCHES:
+        setattr(owner, name, wrapped if holds[when] else original)
 
 
 def is_wrapped(function: object) -> bool:

@@ -145,6 +145,7 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
         logger.info("cocodiff: V-Major on the ring's K/V across nodes: %s", settings.describe())
 
 
+@torch.compiler.disable
 def _use_ring(transformer: torch.nn.Module, args: tuple) -> None:
     exchanger, ring_v_major = transformer._cocodiff_ring
     exchanger.ring_v_major = ring_v_major

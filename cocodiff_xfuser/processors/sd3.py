@@ -46,6 +46,10 @@ class SD3VFirstProcessor(ulysses.VFirst):
         from xfuser.model_executor.layers.attention_processor import xFuserJointAttnProcessor2_0
 
         self.stock = stock if stock is not None else xFuserJointAttnProcessor2_0()
+        # Looked up here, not per call: a compiled transformer traces the call.
+        self._padding_kwargs = compat.private(
+            "xfuser.model_executor.layers.attention_processor", "_joint_sp_padding_attention_kwargs"
+        )
 
     def _unsupported(self, hidden_states, encoder_hidden_states) -> str | None:
         if hidden_states.ndim != 3 or (encoder_hidden_states is not None and encoder_hidden_states.ndim != 3):
@@ -63,10 +67,6 @@ class SD3VFirstProcessor(ulysses.VFirst):
             return _image_only_v_first(self, attn, hidden_states)
         from xfuser.core.distributed import get_runtime_state
 
-        _joint_sp_padding_attention_kwargs = compat.private(
-            "xfuser.model_executor.layers.attention_processor", "_joint_sp_padding_attention_kwargs"
-        )
-
         split_text = get_runtime_state().split_text_embed_in_sp
         head_dim = attn.to_k.out_features // attn.heads
         value = _heads(attn, attn.to_v(hidden_states), head_dim)
@@ -83,7 +83,7 @@ class SD3VFirstProcessor(ulysses.VFirst):
         query, key = ulysses.norm_qk(attn, query, key)
 
         if split_text:
-            attention_kwargs = _joint_sp_padding_attention_kwargs(query, encoder_query)
+            attention_kwargs = self._padding_kwargs(query, encoder_query)
             query = torch.cat([query, encoder_query], dim=1)
             key = torch.cat([key, encoder_key], dim=1)
             out = ulysses.attention(query.transpose(1, 2), key.transpose(1, 2), pending_v, attention_kwargs=attention_kwargs)

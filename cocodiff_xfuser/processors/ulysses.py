@@ -128,11 +128,13 @@ class PendingExchange:
     def _result(self) -> torch.Tensor:
         return self._handle.wait() if self._covered is None else self._covered.wait(self._name)
 
+    @torch.compiler.disable
     def advance(self) -> None:
         """Launch the exchange's next phase (the slow links; on NCCL/XCCL without blocking the host)."""
         if self._exchanged is None and self._handle is not None:
             self._handle.advance()
 
+    @torch.compiler.disable
     def wait(self) -> tuple[torch.Tensor, ...]:
         waited = time.perf_counter()
         self.start_alone()  # a V that nothing carried
@@ -199,6 +201,7 @@ class _Covered:
         return self._results[name]
 
 
+@torch.compiler.disable
 def start_input_exchange(
     exchanger: Exchanger,
     *tensors: torch.Tensor,
@@ -233,13 +236,34 @@ def attention(
     narrowed to this rank's heads and joined by the attention function. ``attention_kwargs``
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
+
+    Under torch.compile the exchanges are graph breaks (their host work stays out of traced
+    code, :func:`exchange_inputs` and :func:`output_exchange`); the attention itself is traced.
     """
     from xfuser.core.distributed import get_ring_parallel_world_size
     from xfuser.model_executor.layers.usp import ring_attn
 
+    head_count = query.shape[1]
+    exchanger, query, key, value, joint_attn_kwargs, v_major, attention_function = exchange_inputs(
+        query, key, value, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs
+    )
+    kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
+    if get_ring_parallel_world_size() == 1:
+        out, _ = attention_function(query, key, value, **kwargs)
+    else:
+        out = ring_attn(attention_function, query, key, value, **kwargs)
+    return output_exchange(exchanger, out, v_major, head_count)
+
+
+@torch.compiler.disable
+def exchange_inputs(query, key, value: PendingExchange, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs):
+    """:func:`attention`'s exchanges of Q and K, and the wait for V: the exchanger, head-sharded Q,
+    K, V, the joint arguments of xfuser's attention function, V's V-Major step (or None) and that function."""
+    from xfuser.core.distributed import get_ring_parallel_world_size
+
     value.advance()
     exchanger = value.exchanger
-    head_count, world = query.shape[1], exchanger.world_size
+    world = exchanger.world_size
     joint_attn_kwargs = None
     if joint_strategy:
         query = compat.usp("_concat_joint_tensor")(query, joint_query, joint_strategy, dim=2)
@@ -254,27 +278,20 @@ def attention(
             "total_steps": get_ring_parallel_world_size(),
         }
     if query.shape == key.shape:
-        query, key = start_input_exchange(exchanger, query, key, v_major=value.v_major, carrying=value).wait()
+        query, key = PendingExchange(exchanger, (query, key), "qk", v_major=value.v_major, carrying=value).wait()
     else:  # the query carries the joint tokens: two exchanges, both in flight together
         value.start_alone()
-        pending_q, pending_k = start_input_exchange(exchanger, query, label="q"), start_input_exchange(exchanger, key, label="k")
+        pending_q, pending_k = PendingExchange(exchanger, (query,), "q"), PendingExchange(exchanger, (key,), "k")
         (query,), (key,) = pending_q.wait(), pending_k.wait()
     v_major = value.v_major
     (value,) = value.wait()
     key, value = padding.keep_keys(key, value)
     key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-    attention_function = compat.usp("_get_attention_function")()
-    kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
-    if get_ring_parallel_world_size() == 1:
-        out, _ = attention_function(query, key, value, **kwargs)
-    else:
-        out = ring_attn(attention_function, query, key, value, **kwargs)
-    padding.count(out.numel() * out.element_size(), head_count, out.shape[1] * world)
-    return output_exchange(exchanger, out, v_major)[:, :head_count]
-
-
-def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Step | None = None) -> torch.Tensor:
-    """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``.
+    return exchanger, query, key, value, joint_attn_kwargs, v_major, compat.usp("_get_attention_function")()
+@torch.compiler.disable
+def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Step | None = None, heads: int | None = None) -> torch.Tensor:
+    """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``
+    (the first ``heads`` of them, all by default: the rest are padding, :mod:`cocodiff_xfuser.padding`).
 
     The layout changes of xfuser's ``_ft_c_output_all_to_all``; the exchange goes to
     ``exchanger`` directly, like the input exchanges. Under V-Major's scope qkvo, the layer's decision
@@ -282,14 +299,16 @@ def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Ste
     """
     world = exchanger.world_size
     b, h, s, d = out.shape
+    heads = h * world if heads is None else heads
+    padding.count(out.numel() * out.element_size(), heads, h * world)
     if v_major is not None:
         stacked = out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
         covered = _Covered.start(exchanger, ("o",), stacked, "out", v_major)
         if covered is not None:
             exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
-            return exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d)
+            return exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d)[:, :heads]
     exchanged = commstats.timed_exchange(lambda t: exchanger.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
-    return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)
+    return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)[:, :heads]
 
 
 def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
@@ -301,6 +320,7 @@ def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
     return None
 
 
+@torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host
 def fallback_reason(
     processor: object, extra: Callable[[], str | None] | None = None, inputs: Sequence[torch.Tensor | None] = ()
 ) -> str | None:

@@ -26,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from cocodiff_xfuser import compat
+
 
 # Named backend configurations a job can run one after the other.
 VARIANTS = {
@@ -66,27 +68,47 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     from cocodiff_xfuser.comm import transport
 
     commstats.reset_ran()
+    if args.get("use_torch_compile"):
+        # Each backend compiles as in a process of its own (the last one's cache entries would
+        # count toward this one's recompile limit).
+        compat.torch_private("torch._dynamo", "reset")()
     launched_before = len(transport.launches())
     runner = xFuserModelRunner(args)
     input_args = runner.preprocess_args(args)
     input_args["output_type"] = "np"
     runner.initialize(input_args)
-    images, timings = [], []
+    images, timings, dynamo = [], [], [compile_counts()]
     for prompt, seed in cases:
         input_args.update(prompt=prompt, seed=seed)
         output, case_timings = runner.run(input_args)
         images += list(output.images)
         timings += case_timings
+        dynamo.append(compile_counts())
         if on_call is not None:
             on_call()
     comm = None
     if repeat:
         output, timings, comm = _timed_runs(runner, input_args, repeat, sync_dir, on_call)
         images = list(output.images)
+        dynamo.append(compile_counts())
     ran = commstats.sum_ran(gather(commstats.ran()))
     launches = gather(transport.launches()[launched_before:])
     return {"runner": runner, "input_args": input_args, "images": images, "timings": timings, "comm": comm,
-            "ran": ran, "launches": launches}
+            "ran": ran, "launches": launches, "dynamo": gather(dynamo)}
+
+
+def compile_counts() -> dict:
+    """dynamo's counters so far in this process: frames it converted (a recompile converts one
+    again) and graph breaks by reason (the first line of each, and the function a disabled call names)."""
+    import re
+
+    counters = compat.torch_private("torch._dynamo.utils", "counters")
+    breaks: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        function = re.search(r"Skip calling function `<function (\S+)", reason)
+        key = reason.splitlines()[0] + (f": {function.group(1)}" if function else "")
+        breaks[key] = breaks.get(key, 0) + count
+    return {"frames": counters["frames"]["total"], "graph_breaks": breaks}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             if is_last_process():
                 path = output_dir(mine.out, model, backend)
                 _save(path, done["images"], done["timings"], done["input_args"], done["comm"], mine.save_png,
-                      done["ran"], done["launches"] if transport.auditing() else None, cases)
+                      done["ran"], done["launches"] if transport.auditing() else None, cases, done["dynamo"])
     if runner is not None:
         runner.cleanup()
 
@@ -200,6 +222,7 @@ def _save(
     ran: dict,
     launches: list | None,
     cases: list,
+    dynamo: list,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     images = np.stack([np.asarray(image) for image in images])
@@ -221,6 +244,7 @@ def _save(
         "comm": comm,
         "ran": ran,
         "launches": launches,
+        "dynamo": dynamo,
     }
     (out / "result.json").write_text(json.dumps(result))
 

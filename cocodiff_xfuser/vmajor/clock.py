@@ -213,6 +213,8 @@ def attach_clock(
     unless ``if_slower: keep``, times its steps against exact ones: V-First's and, with ``stock``,
     xfuser's processors')."""
 
+    # Compiled, the hooks run on the host between the transformer's graphs, never traced.
+    @torch.compiler.disable
     def before(module, args, kwargs) -> None:
         timestep = kwargs.get("timestep")
         if timestep is None:
@@ -223,5 +225,5 @@ def attach_clock(
     arms = ARMS if stock else tuple(arm for arm in ARMS if arm != "stock")
     clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms)
     transformer.register_forward_pre_hook(before, with_kwargs=True)
-    transformer.register_forward_hook(lambda module, args, output: clock.settle())
+    transformer.register_forward_hook(torch.compiler.disable(lambda module, args, output: clock.settle()))
     return clock

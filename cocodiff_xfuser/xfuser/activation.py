@@ -9,6 +9,8 @@ import logging
 import math
 import types
 
+import torch
+
 from cocodiff_xfuser import commstats, compat, padding
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
@@ -50,8 +52,16 @@ def _activating_backend(original):
                 fault_policy.end_job(str(e))
         else:
             job.end()
+        use_patches(config.use_torch_compile)
 
     return _check_distributed_env
+
+
+def use_patches(compiled: bool) -> None:
+    """The switched patches for the job as it now stands (cocodiff or stock, ``compiled`` or not)."""
+    from cocodiff_xfuser.platform import detect
+
+    compat.use_switches(job.exchanger() is not None, compiled, not detect().is_cuda)
 
 
 def release() -> None:
@@ -79,6 +89,9 @@ def patch_runtime_state(rs: types.ModuleType) -> None:
 
 
 def _routed_all_to_all(original):
+    # Under torch.compile, an exchange of cocodiff's is a graph break: its host work (routing,
+    # counting, timing) stays out of traced code. A compiled stock job runs xfuser's own function.
+    @torch.compiler.disable
     def _sdpa_all_to_all_single(x):
         exchanger = job.exchanger()
         if exchanger is None:
@@ -91,7 +104,7 @@ def _routed_all_to_all(original):
 
 def route_all_to_all(usp: types.ModuleType) -> None:
     """Every Ulysses exchange of every model goes through ``usp._sdpa_all_to_all_single``."""
-    compat.wrap(usp, "_sdpa_all_to_all_single", _routed_all_to_all)
+    compat.switch(usp, "_sdpa_all_to_all_single", _routed_all_to_all, compat.When.EAGER)
 
 
 # Why the ring's K/V cannot go through cocodiff in this process (None: they do, under cocodiff).
@@ -115,6 +128,7 @@ def _routed_rotater(original):
 def _ring_with_tokens(original):
     """torch's rotater sees K and V only as one flat buffer: the call records where its tokens are."""
 
+    @torch.compiler.disable  # the ring's K/V exchanges are cocodiff's: host work, out of traced code
     def _templated_ring_attention(*args, **kwargs):
         global _ring_row
         outer, _ring_row = _ring_row, _token_row(args)
@@ -146,8 +160,8 @@ def route_ring_exchange(usp: types.ModuleType) -> None:
     except compat.IncompatibleTorch as e:
         _ring_unrouted = str(e)
         return
-    compat.wrap(importlib.import_module(compat.RING_ATTENTION), "_create_rotater", _routed_rotater)
-    compat.wrap(usp, "_templated_ring_attention", _ring_with_tokens)
+    compat.switch(importlib.import_module(compat.RING_ATTENTION), "_create_rotater", _routed_rotater, compat.When.COCODIFF)
+    compat.switch(usp, "_templated_ring_attention", _ring_with_tokens, compat.When.COCODIFF)
 
 
 def _adapting_model_after(original, get_transformers):
@@ -155,38 +169,50 @@ def _adapting_model_after(original, get_transformers):
 
     def wrapper(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        exchanger = job.exchanger()
-        if exchanger is None:
-            return result
-        from cocodiff_xfuser.processors import families
-
-        transformers = get_transformers(self, result)
-        padded.mark_padded_tokens(transformers)
-        reason = next(filter(None, map(families.unsupported_reason, transformers)), None)
-        uneven = padded.uneven_heads(transformers, exchanger.world_size)
-        padding.set_uneven_heads(uneven)
-        if reason is not None and uneven is not None:
-            fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
-        if reason is not None:
-            # Which stock takes over: these models run xfuser's long-context attention, built on yunchang.
-            logger.warning("cocodiff: %s; falling back to stock Ulysses (xfuser %s, yunchang %s)",
-                           reason, compat.xfuser_version(), importlib.metadata.version("yunchang"))
-            commstats.count_fallback(f"model: {reason}")
-            job.end()
-        elif exchanger.options.v_first or uneven is not None:
-            if uneven is not None:
-                _check_padding_possible(uneven)
-                logger.warning("cocodiff: %s: zero heads padded up to a multiple (cocodiff's processors)", uneven)
-            # V-Major applies to whichever exchanges cross nodes: the Ulysses one, the ring's, or both.
-            v_major = exchanger.options.v_major if exchanger.slow_level is not None or exchanger.ring_remote else None
-            for transformer in transformers:
-                families.install(transformer, exchanger, v_major)
-            stock = sorted({name for t in transformers for name in families.stock_usp(t)})
-            if uneven is not None and stock:
-                fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
+        _adapt(get_transformers(self, result))
         return result
 
     return wrapper
+
+
+def _adapt(transformers: list) -> None:
+    """The loaded model's transformers under the job's exchanger, if any: stock for unsupported models,
+    else V-First and V-Major where asked for."""
+    exchanger = job.exchanger()
+    if exchanger is None:
+        return
+    from cocodiff_xfuser.processors import families
+
+    padded.mark_padded_tokens(transformers)
+    reason = next(filter(None, map(families.unsupported_reason, transformers)), None)
+    uneven = padded.uneven_heads(transformers, exchanger.world_size)
+    padding.set_uneven_heads(uneven)
+    if reason is not None and uneven is not None:
+        fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
+    if reason is not None:
+        # Which stock takes over: these models run xfuser's long-context attention, built on yunchang.
+        logger.warning("cocodiff: %s; falling back to stock Ulysses (xfuser %s, yunchang %s)",
+                       reason, compat.xfuser_version(), importlib.metadata.version("yunchang"))
+        commstats.count_fallback(f"model: {reason}")
+        job.end()
+        use_patches(_compiled())
+    elif exchanger.options.v_first or uneven is not None:
+        if uneven is not None:
+            _check_padding_possible(uneven)
+            logger.warning("cocodiff: %s: zero heads padded up to a multiple (cocodiff's processors)", uneven)
+        # V-Major applies to whichever exchanges cross nodes: the Ulysses one, the ring's, or both.
+        v_major = exchanger.options.v_major if exchanger.slow_level is not None or exchanger.ring_remote else None
+        for transformer in transformers:
+            families.install(transformer, exchanger, v_major)
+        stock = sorted({name for t in transformers for name in families.stock_usp(t)})
+        if uneven is not None and stock:
+            fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
+
+
+def _compiled() -> bool:
+    from xfuser.core.distributed import get_runtime_state
+
+    return get_runtime_state().runtime_config.use_torch_compile
 
 
 def _check_padding_possible(uneven: str) -> None:
@@ -216,12 +242,28 @@ class _ModelRegistry(dict):
         return super().get(name, default)
 
 
-def patch_runner_base_model(module: types.ModuleType) -> None:
-    def transformers(model, pipe):
-        return [getattr(pipe, name) for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None]
+def _transformers(pipe) -> list:
+    return [getattr(pipe, name) for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None]
 
+
+def _eager_transformers(model, _) -> list:
+    return [] if model.config.use_torch_compile else _transformers(model.pipe)
+
+
+def _adapting_before_compile(original):
+    def _compile_model(self, *args, **kwargs):
+        _adapt(_transformers(self.pipe))
+        return original(self, *args, **kwargs)
+
+    return _compile_model
+
+
+def patch_runner_base_model(module: types.ModuleType) -> None:
     cls = compat.target(module, "xFuserModel")
-    compat.wrap(cls, "initialize", lambda original: _adapting_model_after(original, lambda m, _: transformers(m, m.pipe)))
+    # A compiled model is adapted before its compile warm-up (which would trace xfuser's processors
+    # only for the first call to trace ours again); an eager one once initialized.
+    compat.wrap(cls, "_compile_model", _adapting_before_compile)
+    compat.wrap(cls, "initialize", lambda original: _adapting_model_after(original, _eager_transformers))
     registry = compat.target(module, "MODEL_REGISTRY")
     if not isinstance(registry, _ModelRegistry):
         # register_model writes to the module global at call time, so later registrations land here too.

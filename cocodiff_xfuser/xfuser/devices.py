@@ -215,9 +215,10 @@ def patch_attention_backends(ab: types.ModuleType) -> None:
     """
     if detect().name != "cpu":
         return
+    # Looked up here, not in the call: a compiled transformer traces the call (no lookup to trace).
+    flash = compat.torch_private("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu")
 
     def cpu_flash_attention(query, key, value, dropout_p=0.0, is_causal=False, attention_kwargs=None):
-        flash = compat.torch_private("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu")
         out, lse, *_ = flash(query, key, value, dropout_p=dropout_p, is_causal=is_causal)
         return out, lse
 

@@ -77,7 +77,7 @@ def _rounding_height(original):
 
 def patch_transformer_flux(module: types.ModuleType) -> None:
     cls = compat.target(module, "xFuserFlux1Transformer2DWrapper")
-    compat.wrap(cls, "forward", _padding_forward)
+    compat.switch(cls, "forward", _padding_forward, compat.When.COCODIFF)
 
 
 def _padding_forward(original):

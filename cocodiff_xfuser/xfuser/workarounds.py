@@ -59,7 +59,7 @@ def patch_attention_processor(module: types.ModuleType) -> None:
 
         return __call__
 
-    compat.wrap(cls, "__call__", make)
+    compat.switch(cls, "__call__", make, compat.When.ENABLEMENT)
 
 
 def patch_transformer_qwen(module: types.ModuleType) -> None:
@@ -75,7 +75,7 @@ def patch_transformer_qwen(module: types.ModuleType) -> None:
 
         return forward
 
-    compat.wrap(cls, "forward", make)
+    compat.switch(cls, "forward", make, compat.When.ENABLEMENT)
 
 
 def _refuse_padding(hidden_states, encoder_hidden_states) -> None:

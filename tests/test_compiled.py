@@ -1,0 +1,128 @@
+"""Under ``--use_torch_compile``: stock is stock, and cocodiff compiles without recompiling.
+
+One torchrun job per layout runs every backend of it compiled (dynamo reset between backends, as
+in a process of its own), two pipeline calls each, and records dynamo's counters after model set-up
+and after each call (``tools/generate.py``: frames converted, graph breaks by reason). A recompile
+converts a frame again, so "no recompile after the first call" is "as many frames after the
+second call as after the first". The only graph breaks cocodiff may add are its exchanges'
+entry points (disabled for dynamo: their host work runs between graphs) and the V-First processors'
+decision at a layer's entry.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cocodiff_xfuser import compat
+from cocodiff_xfuser.tools import launcher
+from cocodiff_xfuser.tools.generate import output_dir
+from cocodiff_xfuser.tools.models import tiny as tiny_models
+from cocodiff_xfuser.tools.verify import Run
+
+pytestmark = pytest.mark.distributed
+
+DISABLED = "Skip calling `torch.compiler.disable()`d function: "
+#: Where a compiled cocodiff layer may break its graph: the exchanges' starts and waits, and the
+#: V-First processors' decision (stock or V-First) at the layer's entry.
+EXCHANGE_POINTS = {
+    "_sdpa_all_to_all_single", "start_input_exchange", "exchange_inputs", "output_exchange", "fallback_reason",
+    "_templated_ring_attention",
+}
+V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on", "cocodiff_v_major_warmup_steps": 1}
+# id -> (model, ulysses, ring, topology, backends, extra flags); every cocodiff backend is checked.
+JOBS = {
+    "flux-u2": ("tiny-flux", 2, 1, "2x1", ("ulysses", "cocodiff", "cocodiff+vfirst", "vmajor"), ()),
+    "sd3-u2-fp8": ("tiny-sd3", 2, 1, "2x1", ("ulysses", "cocodiff+vfirst", "vmajor"), ("--cocodiff-compress", "fp8")),
+}
+STEPS = 3
+CASES = [["a cat", 1], ["a dog", 2]]
+
+
+def _generate(job: str, out: Path) -> Path:
+    model, ulysses, ring, topology, backends, extra = JOBS[job]
+    run = Run(model=model, ulysses_degree=ulysses, ring_degree=ring, topology=topology, seed=1, steps=STEPS,
+              extra=("--use_torch_compile", *extra))
+    (out / "cases.json").write_text(json.dumps(CASES))
+    (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR}))
+    argv = run.argv(backends, out) + ["--cases", str(out / "cases.json"), "--variants", str(out / "variants.json")]
+    (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, timeout=900).stderr)
+    return out
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    tiny_models.ensure_fixture("tiny-flux")
+    tiny_models.ensure_fixture("tiny-sd3")
+    outputs: dict[str, Path] = {}
+
+    def output(job: str) -> Path:
+        if job not in outputs:
+            outputs[job] = _generate(job, tmp_path_factory.mktemp(job))
+        return outputs[job]
+
+    return output
+
+
+def _result(out: Path, job: str, backend: str) -> dict:
+    model = tiny_models.SPECS[JOBS[job][0]].model_id
+    return json.loads((output_dir(out, model, backend) / "result.json").read_text())
+
+
+def _images(out: Path, job: str, backend: str) -> np.ndarray:
+    return np.load(output_dir(out, tiny_models.SPECS[JOBS[job][0]].model_id, backend) / "images.npy")
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_compiled_stock_traces_nothing_of_cocodiff(generated, job):
+    out = generated(job)
+    result = _result(out, job, "ulysses")
+    for rank in result["dynamo"]:
+        setup, first, second = rank
+        assert first["frames"] == second["frames"], rank  # no recompile after the first call
+        assert not any("cocodiff" in reason for reason in second["graph_breaks"]), rank
+        assert not any(reason.startswith(DISABLED) for reason in second["graph_breaks"]), rank
+    # xfuser's own exchange ran, not cocodiff's counting route (compiled stock is uncounted).
+    assert result["ran"]["exchanges"] == {} and result["ran"]["v_first_calls"] == 0, result["ran"]
+    assert "recompile_limit" not in (out / "stderr.txt").read_text()
+
+
+@pytest.mark.parametrize("job, backend", [(job, b) for job, spec in JOBS.items() for b in spec[4] if b != "ulysses"])
+def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generated, job, backend):
+    out = generated(job)
+    stock_breaks = {r for rank in _result(out, job, "ulysses")["dynamo"] for r in rank[-1]["graph_breaks"]}
+    result = _result(out, job, backend)
+    for rank in result["dynamo"]:
+        setup, first, second = rank
+        assert first["frames"] == second["frames"], rank
+        ours = {r.removeprefix(DISABLED) for r in second["graph_breaks"] if r not in stock_breaks}
+        assert ours and ours <= EXCHANGE_POINTS, ours
+    assert "recompile_limit" not in (out / "stderr.txt").read_text()
+    # The path under test ran, compiled.
+    ran = result["ran"]
+    assert ran["exchanges"] and "stock" not in ran["exchanges"] and ran["fallbacks"] == {}, ran
+    if backend != "cocodiff":
+        assert ran["v_first_calls"] > 0, ran
+    if backend == "vmajor":
+        assert ran["v_major_sparse"] and ran["v_major"]["tokens"] > 0, ran
+    if backend == "cocodiff+vfirst" and "--cocodiff-compress" not in JOBS[job][5]:
+        # Exact: the compiled V-First image is the compiled stock one (the same graphs around the exchanges).
+        assert np.array_equal(_images(out, job, backend), _images(out, job, "ulysses"))
+
+
+@pytest.mark.unit
+def test_a_compiled_stock_job_runs_xfusers_own_functions():
+    from xfuser.model_executor.layers import usp  # noqa: F401 (loads the switched patches)
+
+    from cocodiff_xfuser.xfuser import activation
+
+    try:
+        activation.use_patches(compiled=True)
+        assert not compat.is_wrapped(usp._sdpa_all_to_all_single)
+        activation.use_patches(compiled=False)  # eager stock counts its exchanges
+        assert compat.is_wrapped(usp._sdpa_all_to_all_single)
+    finally:
+        compat.use_switches(cocodiff=True, compiled=False, enablement=True)  # as loaded: every patch in
