@@ -103,11 +103,12 @@ def wrap(owner: object, name: str, make: Callable[[Callable], Callable]) -> None
 
 
 class When(enum.Enum):
-    """When a switched patch (:func:`switch`) is installed: while a cocodiff job runs, and also..."""
+    """When a switched patch (:func:`switch`) is installed: always while a cocodiff job runs, and
+    in a stock job ..."""
 
-    COCODIFF = "never else"
-    EAGER = "in an eager stock job (counting what ran)"
-    ENABLEMENT = "on hosts whose stock xfuser needs it (XPU, CPU)"
+    COCODIFF = "never"
+    EAGER = "run eagerly (it counts what ran)"
+    ENABLEMENT = "on a host whose stock xfuser needs it (XPU, CPU: the platform enablement)"
 
 
 _SWITCHES: list[tuple[object, str, Callable, Callable, When]] = []

@@ -288,6 +288,8 @@ def exchange_inputs(query, key, value: PendingExchange, joint_query, joint_key, 
     key, value = padding.keep_keys(key, value)
     key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
     return exchanger, query, key, value, joint_attn_kwargs, v_major, compat.usp("_get_attention_function")()
+
+
 @torch.compiler.disable
 def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Step | None = None, heads: int | None = None) -> torch.Tensor:
     """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``

@@ -89,10 +89,10 @@ def patch_runtime_state(rs: types.ModuleType) -> None:
 
 
 def _routed_all_to_all(original):
-    # Under torch.compile, an exchange of cocodiff's is a graph break: its host work (routing,
-    # counting, timing) stays out of traced code. A compiled stock job runs xfuser's own function.
-    @torch.compiler.disable
     def _sdpa_all_to_all_single(x):
+        if torch.compiler.is_compiling():
+            # Traced: one opaque operator in the graph, no break; it routes when the graph runs.
+            return torch.ops.cocodiff.ulysses_all_to_all(x)
         exchanger = job.exchanger()
         if exchanger is None:
             commstats.count_exchange("stock", "usp")
@@ -100,6 +100,19 @@ def _routed_all_to_all(original):
         return commstats.timed_exchange(exchanger.all_to_all, x)
 
     return _sdpa_all_to_all_single
+
+
+@torch.library.custom_op("cocodiff::ulysses_all_to_all", mutates_args=())
+def _compiled_all_to_all(x: torch.Tensor) -> torch.Tensor:
+    """xfuser's Ulysses exchange in a compiled cocodiff job (its graphs hold this operator, and a
+    compiled stock job runs xfuser's own function): the job's exchanger, a new contiguous tensor."""
+    out = commstats.timed_exchange(job.exchanger().all_to_all, x).contiguous()
+    return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+
+@_compiled_all_to_all.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def route_all_to_all(usp: types.ModuleType) -> None:
