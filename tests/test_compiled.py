@@ -27,8 +27,8 @@ from cocodiff_xfuser.tools.verify import Run
 pytestmark = pytest.mark.distributed
 
 DISABLED = "Skip calling `torch.compiler.disable()`d function: "
-#: Where a compiled cocodiff layer may break its graph: the exchanges' starts and waits, and the
-#: V-First processors' decision (stock or V-First) at the layer's entry.
+#: Where a compiled cocodiff layer may break its graph: V-First's exchange starts and waits, its
+#: decision (stock or V-First) at the layer's entry, and the ring attention (its K/V exchanges).
 EXCHANGE_POINTS = {"start_input_exchange", "exchange_inputs", "output_exchange", "fallback_reason", "_templated_ring_attention"}
 V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on", "cocodiff_v_major_warmup_steps": 1}
 # Auto's speed check decides within the first call (its warm-up step, then three rounds of three arms).
