@@ -1,4 +1,4 @@
-"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo``, ``topology``, ``plan``, ``check`` and ``bench {a2a,e2e,kernels}``."""
+"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo``, ``topology``, ``plan``, ``check`` and ``bench {a2a,e2e,kernels,host}``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from cocodiff_xfuser.tools import topology_cli
 from cocodiff_xfuser.tools import plan as plan_tool
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
+from cocodiff_xfuser.tools.bench import host as bench_host
 from cocodiff_xfuser.tools.bench import kernels as bench_kernels
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
 from cocodiff_xfuser.tools.launcher import TorchrunError
@@ -94,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     kernels = kinds.add_parser("kernels", help="one rank's layer compute at a real model's size and V-Major's work beside it "
                                "(this machine's GPU, or CPU)")
     bench_kernels.add_arguments(kernels)
+    host = kinds.add_parser("host", help="cocodiff's own host time per exchange and per layer, and the step against stock's, "
+                            "eager and compiled (loopback)")
+    bench_host.add_arguments(host)
     e2e.add_argument("--model", choices=sorted(tiny_models.SPECS), default="tiny-flux")
     e2e.add_argument("--size", type=int, default=bench_e2e.DEFAULT_SIZE, help="image height and width")
     e2e.add_argument("--steps", type=int, default=bench_e2e.DEFAULT_STEPS)
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(args)
         if args.command == "bench" and args.kind == "kernels":
             return bench_kernels.run_cli(args)
+        if args.command == "bench" and args.kind == "host":
+            return bench_host.run_cli(args)
         if args.command == "bench" and args.kind == "a2a":
             return bench_a2a.run_cli(args)
         if args.command == "topology":

@@ -1,0 +1,213 @@
+"""``cocodiff bench host``: cocodiff's own host time per exchange and per attention layer, and the
+step against stock's, eager and compiled, on loopback with shapes whose device work is negligible.
+
+On a GPU a FLUX layer computes in a fraction of a millisecond, so the Python an exchange runs is
+time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds of torchrun jobs
+(2 ranks as topology 2x1, so V-Major is active; one job at a time):
+
+* **steps**: stock and every configuration in one job (``generate --repeat``): each one's median
+  step and its ratio to stock's;
+* **host time**: each configuration alone with its point-to-point batches taken out (every batch is
+  posted as nothing and completes at once, so gloo's latency is not counted; the exchanges move no
+  data and the images mean nothing; the fair flat exchange is forced, so that every exchange is such
+  a batch): the time the timed calls spent in cocodiff's entry points, outermost calls only: the
+  V-First processors' decision at a layer's entry, V's start, Q/K's exchange with V's wait, the
+  output exchange, and, under stock's processors, the routed exchange (``Exchanger.all_to_all``).
+  ``host_s_per_exchange``: the exchange entry points' time over the exchanges that ran;
+  ``host_s_per_layer``: all of it over the attention layer calls (V-First calls, or with stock's
+  processors one per input and output exchange pair).
+
+Configurations are named as ``tools/generate.py``'s backends are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cocodiff_xfuser.tools import generate, launcher
+
+CONFIGS = ("cocodiff", "cocodiff+vfirst", "cocodiff+vfirst+vmajor")
+MODES = ("eager", "compiled")
+#: The issue's targets on this machine: cocodiff's own host time per exact exchange, per V-Major
+#: layer (eager), and the step ratio to stock per configuration (eager and compiled).
+TARGETS = {
+    "host_s_per_exchange": 30e-6,
+    "host_s_per_layer_v_major": 100e-6,
+    "step_ratio": {"cocodiff": 1.05, "cocodiff+vfirst": 1.15, "cocodiff+vfirst+vmajor": 1.20},
+}
+DEFAULT_STEPS = 12
+DEFAULT_REPEAT = 5
+TIMEOUT_S = 900.0
+_RESULT = "host.json"
+
+
+def _runner_argv(model: str, steps: int, compiled: bool) -> list[str]:
+    argv = ["--model", model, "--ulysses_degree", "2", "--cocodiff-topology", "2x1", "--height", "64", "--width", "64",
+            "--num_inference_steps", str(steps), "--prompt", "a cat", "--seed", "1"]
+    return argv + (["--use_torch_compile"] if compiled else [])
+
+
+def _steps(model: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float) -> dict[str, float]:
+    """Median step (s) of stock and every configuration, from one job."""
+    backends = ("ulysses", *CONFIGS)
+    argv = ["-m", "cocodiff_xfuser.tools.generate", "--out", str(out), "--backends", ",".join(backends),
+            "--repeat", str(repeat), *_runner_argv(model, steps, compiled)]
+    launcher.torchrun(2, argv, timeout=timeout)
+    found = {}
+    for backend in backends:
+        result = json.loads((generate.output_dir(out, model, backend) / "result.json").read_text())
+        found[backend] = statistics.median(result["timings"]) / steps
+    return found
+
+
+def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float) -> dict:
+    """One configuration alone, its batches taken out: its entry points' time, summed over the ranks'
+    timed calls, and what they ran."""
+    argv = ["-m", "cocodiff_xfuser.tools.bench.host", "--worker", "--out", str(out), "--backends", config, "--repeat", str(repeat),
+            "--cocodiff-a2a", "flat-p2p", *_runner_argv(model, steps, compiled)]
+    launcher.torchrun(2, argv, timeout=timeout)
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"rank*-{_RESULT}"))]
+    total = {key: sum(r[key] for r in ranks) for key in ("decision_s", "exchange_s", "exchanges", "layers")}
+    return {
+        "host_s_per_exchange": total["exchange_s"] / max(total["exchanges"], 1),
+        "host_s_per_layer": (total["decision_s"] + total["exchange_s"]) / max(total["layers"], 1),
+        "exchanges_per_step": total["exchanges"] / len(ranks) / (steps * repeat),
+        "layers_per_step": total["layers"] / len(ranks) / (steps * repeat),
+    }
+
+
+def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: float = TIMEOUT_S) -> dict:
+    """The report: per configuration (stock first) and mode, the step, its ratio to stock's and, for
+    cocodiff's, its own host time per exchange and per layer."""
+    rows = {name: {"name": name} for name in ("ulysses", *CONFIGS)}
+    with tempfile.TemporaryDirectory(prefix="cocodiff-bench-host-") as tmp:
+        for mode in modes:
+            compiled = mode == "compiled"
+            step = _steps(model, steps, repeat, compiled, Path(tmp) / f"steps-{mode}", timeout)
+            rows["ulysses"][mode] = {"step_s": step["ulysses"], "step_ratio": 1.0}
+            for config in CONFIGS:
+                host = _host(model, config, steps, repeat, compiled, Path(tmp) / f"host-{mode}-{config}", timeout)
+                rows[config][mode] = {"step_s": step[config], "step_ratio": step[config] / step["ulysses"], **host}
+    return {"model": model, "steps": steps, "repeat": repeat, "targets": TARGETS, "configs": list(rows.values())}
+
+
+def print_report(report: dict) -> None:
+    print(f"cocodiff bench host: {report['model']}, Ulysses 2 on loopback (topology 2x1), {report['steps']} steps, "
+          f"median of {report['repeat']} calls; host time with the batches taken out")
+    print(f"{'configuration':<24} {'mode':<9} {'step ms':>8} {'vs stock':>9} {'us/exchange':>12} {'us/layer':>9}")
+    for row in report["configs"]:
+        for mode in MODES:
+            m = row.get(mode)
+            if m is None:
+                continue
+            host = (f"{m['host_s_per_exchange'] * 1e6:>12.1f} {m['host_s_per_layer'] * 1e6:>9.1f}"
+                    if "host_s_per_exchange" in m else f"{'-':>12} {'-':>9}")
+            print(f"{row['name']:<24} {mode:<9} {m['step_s'] * 1e3:>8.2f} {m['step_ratio']:>8.2f}x {host}")
+    t = report["targets"]
+    print(f"targets: <= {t['host_s_per_exchange'] * 1e6:.0f} us per exact exchange, <= "
+          f"{t['host_s_per_layer_v_major'] * 1e6:.0f} us per V-Major layer (eager); step ratios "
+          + ", ".join(f"{name} <= {r:.2f}x" for name, r in t["step_ratio"].items()))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="cocodiff/tiny-flux", help="an xdit model name (device work should be negligible)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed pipeline calls per configuration")
+    p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both, comma-separated")
+    p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per torchrun job")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    modes = tuple(args.modes.split(","))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"--modes: {', '.join(unknown)} not among {', '.join(MODES)}")
+    report = run(args.model, args.steps, args.repeat, modes, args.timeout)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
+
+
+# The worker: generate's job with the entry points timed and the batches taken out.
+
+class _Timer:
+    """Time in outermost calls of the wrapped entry points (nested ones are inside them)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"decision_s": 0.0, "exchange_s": 0.0}
+        self._depth = 0
+
+    def wrap(self, fn, kind: str):
+        import torch
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - started
+                self._depth -= 1
+
+        return torch.compiler.disable(timed)
+
+
+def _worker(argv: list[str]) -> None:
+    from cocodiff_xfuser import commstats
+    from cocodiff_xfuser.comm import transport
+    from cocodiff_xfuser.exchanger import Exchanger
+    from cocodiff_xfuser.processors import ulysses
+
+    timer = _Timer()
+    ulysses.fallback_reason = timer.wrap(ulysses.fallback_reason, "decision_s")
+    for name in ("start_input_exchange", "exchange_inputs", "output_exchange"):
+        setattr(ulysses, name, timer.wrap(getattr(ulysses, name), "exchange_s"))
+    Exchanger.all_to_all = timer.wrap(Exchanger.all_to_all, "exchange_s")
+    transport.post = lambda recv, send, group, role, what, buffers=(): transport.Completion([], "", group, what)
+
+    counted = {}
+
+    def counts() -> tuple[int, int]:
+        ran = commstats.ran()
+        return sum(ran["exchanges"].values()), ran["v_first_calls"]
+
+    def reset(original):
+        def reset_with_timer():  # generate resets the statistics before its timed calls
+            original()
+            timer.seconds = dict.fromkeys(timer.seconds, 0.0)
+            counted["before"] = counts()
+
+        return reset_with_timer
+
+    commstats.reset = reset(commstats.reset)
+    out = Path(argv[argv.index("--out") + 1])
+    generate.main(argv)
+    exchanges, v_first = (now - before for now, before in zip(counts(), counted["before"]))
+    rank = int(os.environ.get("RANK", "0"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}-{_RESULT}").write_text(json.dumps(
+        {**timer.seconds, "exchanges": exchanges, "layers": v_first if v_first else exchanges // 2}
+    ))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+    else:
+        parser = argparse.ArgumentParser(prog="cocodiff bench host", description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        sys.exit(run_cli(parser.parse_args()))
