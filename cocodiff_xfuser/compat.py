@@ -50,6 +50,10 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     # The rotater ring attention moves K/V with, created per call: under cocodiff, the exchanger's.
     (RING_ATTENTION, "_create_rotater"),
+    # What else of the functional collectives stock's exchanges call: the emulated clusters' bf16
+    # wire rounds stock's payloads too (tools/fabric/wire.py).
+    ("torch.distributed._functional_collectives", "all_gather_single"),
+    ("torch.distributed._functional_collectives", "wait_tensor"),
     # dynamo's counters (frames converted, graph breaks) and its reset: what a compiled job did, per
     # backend (tools/generate.py).
     ("torch._dynamo.utils", "counters"),

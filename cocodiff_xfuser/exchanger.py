@@ -178,7 +178,7 @@ class Exchanger:
         """Choose the algorithm for ``x`` and count the exchange (``exact_bytes``: what ``x`` would
         be uncompressed)."""
         algorithm = self._choose(x)
-        sent = x.numel() * x.element_size()
+        sent = transport.wire_bytes(x)
         slow, exact = int(sent * self._slow_share), int((exact_bytes or sent) * self._slow_share)
         commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
         return algorithm
@@ -229,11 +229,12 @@ class Exchanger:
     @torch.compiler.disable
     def start(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
+        x = transport.wire_values(x)
         if self._slow_fp8(x):
             return self._start_slow_fp8(x, label)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = self.finish(lambda: self._algorithm(flat, label, x.numel() * x.element_size()), label, "autotune")
+        algorithm = self.finish(lambda: self._algorithm(flat, label, transport.wire_bytes(x)), label, "autotune")
         started = self.finish(lambda: self.autotune.start(algorithm, flat, self.group), label, algorithm)
         return self._pending_handle(Exchange(self, started, x.shape, label, algorithm, unpack))
 
@@ -242,11 +243,12 @@ class Exchanger:
         """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
         chosen exchange sends (:func:`heads`)."""
+        tensors = tuple(transport.wire_values(t) for t in tensors)
         if self._slow_fp8(tensors[0]):
             return self._start_slow_fp8(heads(tensors, (self.world_size,), (0,)), label)
         b, h, s, d = tensors[0].shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
-        exact_bytes = math.prod(shape) * tensors[0].element_size()
+        exact_bytes = math.prod(shape) * transport.wire_itemsize(tensors[0].dtype)
         # What the choice needs is the size, dtype and device; a real buffer only to measure with.
         if self.options.compress != "fp8" or tensors[0].dtype not in compress.WIDE:
             numel, dtype = math.prod(shape), tensors[0].dtype
@@ -293,11 +295,12 @@ class Exchanger:
     @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
+        x = transport.wire_values(x)
         if self._slow_fp8(x):
             return self._start_slow_fp8(x, label).wait().reshape(x.shape)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = self.finish(lambda: self._algorithm(flat, label, x.numel() * x.element_size()), label, "autotune")
+        algorithm = self.finish(lambda: self._algorithm(flat, label, transport.wire_bytes(x)), label, "autotune")
         out = self.finish(lambda: self.autotune.run(algorithm, flat, self.group), label, algorithm)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 
@@ -314,7 +317,7 @@ class Exchanger:
         step = self.ring_v_major.begin(buffer, row) if self.ring_v_major is not None and self.ring_remote else None
         remote = None if step is None else step.remote
         algorithm = "ring all-gather" if remote is None else "ring v-major"
-        exact = buffer.numel() * buffer.element_size() * len(self.ring_remote)
+        exact = transport.wire_bytes(buffer) * len(self.ring_remote)
         commstats.count_exchange(algorithm, label, slow_link_bytes=exact if step is None else step.slow_bytes, slow_link_bytes_exact=exact)
         gather = self.finish(lambda: ring.RingGather(buffer, group, remote), label, algorithm)
         finish = None if step is None else lambda out: step.finish(out, gather.received)

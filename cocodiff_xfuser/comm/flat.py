@@ -49,6 +49,8 @@ class FlatHandle:
         input_split_sizes: list[int] | None = None,
     ) -> None:
         self._dtype = x.dtype
+        x = transport.on_wire(x)
+        self._wire_dtype = x.dtype
         transport.launched(group, "all_to_all_single")
         all_to_all_single = compat.torch_private(_FUNCTIONAL, "all_to_all_single")
         self._out: torch.Tensor = all_to_all_single(transport.comm_view(x), output_split_sizes, input_split_sizes, group)
@@ -59,7 +61,7 @@ class FlatHandle:
 
     def wait(self) -> torch.Tensor:
         if not self._done:
-            self._out = wait_collective(self._out).view(self._dtype)
+            self._out = wait_collective(self._out).view(self._wire_dtype).to(self._dtype)
             self._done = True
         return self._out
 

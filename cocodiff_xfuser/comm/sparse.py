@@ -257,7 +257,8 @@ class SparseHandle:
         self._every: torch.Tensor | None = None  # arange(s), once
         #: What this rank sends to other nodes, and what the exact exchange would (bytes).
         self.slow_bytes = sum(self._size(level.me, j) for j in remote)
-        self.exact_bytes = len(remote) * self._full_bytes
+        # (The messages here are bytes: float32 rows travel at their width even where the wire is bf16.)
+        self.exact_bytes = len(remote) * p * s * d * transport.wire_itemsize(x.dtype)
         device = x.device
         indices = selection.index_bytes if index_size(selection.active.numel(), s, by_receiver) else None
         chunks = _bytes(x).view(w, -1).unbind(0)

@@ -91,6 +91,48 @@ _FP8_DTYPES = {
 }
 
 
+WIRE_DTYPE_ENV = "COCODIFF_WIRE_DTYPE"
+# What the wire carries in the emulated clusters, where models compute in float32 on CPU but a GPU job
+# sends bf16: with ``COCODIFF_WIRE_DTYPE=bfloat16`` every float32 payload crosses it in that dtype,
+# rounded once where it enters an exchange (:func:`wire_values`, as a GPU's tensors already are), so
+# the bytes sent (:func:`post`, comm/flat.py) and counted (:func:`wire_bytes`) are a GPU's. Stock's
+# exchanges, which are torch's functional collectives, round alike in tools/fabric/wire.py.
+_WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_wire_name = os.environ.get(WIRE_DTYPE_ENV, "")
+if _wire_name and _wire_name not in _WIRE_DTYPES:
+    raise ValueError(f"{WIRE_DTYPE_ENV}={_wire_name!r}: expected one of {', '.join(_WIRE_DTYPES)}")
+_wire_float: torch.dtype | None = _WIRE_DTYPES.get(_wire_name)
+
+
+def wire_float() -> torch.dtype | None:
+    """The dtype float32 payloads cross the wire in (None: their own)."""
+    return _wire_float
+
+
+def _rounds(x: torch.Tensor) -> bool:
+    return _wire_float is not None and x.dtype == torch.float32
+
+
+def wire_values(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with the values the wire carries (float32 rounded to the wire's dtype; else ``x`` itself)."""
+    return x.to(_wire_float).to(x.dtype) if _rounds(x) else x
+
+
+def on_wire(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype it crosses the wire in (lossless after :func:`wire_values`)."""
+    return x.to(_wire_float) if _rounds(x) else x
+
+
+def wire_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` on the wire."""
+    return _wire_float.itemsize if _wire_float is not None and dtype == torch.float32 else dtype.itemsize
+
+
+def wire_bytes(x: torch.Tensor) -> int:
+    """The bytes ``x`` takes on the wire."""
+    return x.numel() * wire_itemsize(x.dtype)
+
+
 def comm_view(x: torch.Tensor) -> torch.Tensor:
     """``x`` contiguous, as the bytes a backend can send (fp8 as uint8)."""
     x = x.contiguous()
@@ -194,6 +236,13 @@ def post(
     me, world = group_info(group)
     recvs = [(src, p) for i in range(1, world) for src in [(me - i) % world] for p in recv[src] if p.numel()]
     sends = [(dst, p) for i in range(1, world) for dst in [(me + i) % world] for p in send[dst] if p.numel()]
+    landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, what the wire delivers into)
+    if _wire_float is not None:
+        sends = [(dst, on_wire(p)) for dst, p in sends]
+        landing = [(p, torch.empty_like(p, dtype=_wire_float)) for _, p in recvs if _rounds(p)]
+        wire = {id(p): w for p, w in landing}
+        recvs = [(src, wire.get(id(p), p)) for src, p in recvs]
+        buffers = (*buffers, *(p for _, p in sends), *(w for _, w in landing))
     launched(group, what, role=role)
     where = f"{what} ({role or f'group of {world}'})"
     device = next((p.device for _, p in recvs + sends), None)
@@ -207,9 +256,9 @@ def post(
     if _trace is not None:
         _trace.append((where, [("recv" if op is dist.irecv else "send", peer, p.numel() * p.element_size()) for op, peer, p in ops]))
     if _device_semantics and backend in _RECEIVES_FIRST:
-        return Completion(_replay(ops, group, where), backend, group, where, buffers)
+        return Completion(_replay(ops, group, where), backend, group, where, buffers, landing)
     works = dist.batch_isend_irecv([dist.P2POp(op, p, group=group, tag=TAG, group_peer=peer) for op, peer, p in ops])
-    return Completion(works, backend, group, where, buffers)
+    return Completion(works, backend, group, where, buffers, landing)
 
 
 def _replay(ops: list[tuple[Any, int, torch.Tensor]], group: Any, where: str) -> list[Any]:
@@ -248,12 +297,16 @@ class Completion:
     """A posted batch: :meth:`wait` completes it (see the module docstring for what waiting means
     per backend) and raises :class:`faults.ExchangeFailed` naming the batch if it fails."""
 
-    def __init__(self, works: list[Any], backend: str, group: Any, where: str, buffers: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(
+        self, works: list[Any], backend: str, group: Any, where: str, buffers: Sequence[torch.Tensor] = (),
+        landing: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> None:
         self._works = [w for w in works if w is not None]
         self._gloo = backend == "gloo"
         self._group, self._where = group, where
         self._buffers = list(buffers)  # memory the works read or write: alive until they complete
-        self._waited = not self._works
+        self._landing = list(landing)  # received in the wire's dtype, copied to their destination on wait
+        self._waited = not self._works and not self._landing
 
     def __del__(self) -> None:
         # Dropped without wait(): destroying gloo works before they complete cancels their buffers,
@@ -276,8 +329,10 @@ class Completion:
                     w.wait()
         except RuntimeError as e:
             raise faults.failed(_where(self._where, self._group), e) from e
+        for destination, landed in self._landing:
+            destination.copy_(landed)
         self._waited = True
-        self._buffers = []
+        self._buffers, self._landing = [], []
 
 
 def _where(where: str, group: Any) -> str:

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from cocodiff_xfuser import commstats, compat, padding
-from cocodiff_xfuser.comm import timing
+from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.exchanger import Exchanger, heads, sequence
@@ -65,7 +65,8 @@ class PendingExchange:
         self.exchanger = exchanger
         world = exchanger.world_size
         head_count = tensors[0].shape[1]
-        tensors = tuple(padding.pad_heads(t, world) for t in tensors)
+        # As they cross the wire (bf16 values in the emulated clusters): V-Major compares and caches those.
+        tensors = tuple(transport.wire_values(padding.pad_heads(t, world)) for t in tensors)
         b, h, s, d = tensors[0].shape
         self._n = len(tensors)
         self._label = label
@@ -300,6 +301,7 @@ def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Ste
     ``v_major`` covers it: rows are then destination-major ``[W, 1, b, h/W, s, d]``.
     """
     world = exchanger.world_size
+    out = transport.wire_values(out)
     b, h, s, d = out.shape
     heads = h * world if heads is None else heads
     padding.count(out.numel() * out.element_size(), heads, h * world)

@@ -40,6 +40,7 @@ from cocodiff_xfuser.tools import plan as plan_tool
 from cocodiff_xfuser.tools import quality
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
+from cocodiff_xfuser.tools.fabric import wire
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run, compare
 
@@ -470,7 +471,7 @@ def _on_fabric(args: Any) -> int:
               "--out", str(Path(args.out).resolve()), *(["--size", str(args.size)] if args.size else []),
               *(["--json"] if args.json else []), *(["--min-psnr", str(args.min_psnr)] if args.min_psnr is not None else [])]
     with one_at_a_time(), fab:
-        rc = fab.run(worker, timeout=args.timeout).returncode
+        rc = fab.run(worker, timeout=args.timeout, extra_env=wire.GPU_WIRE).returncode
     if rc == 124:
         print(f"cocodiff check: timed out after {args.timeout:g} s (--timeout)", file=sys.stderr)
     return rc
@@ -497,6 +498,7 @@ def _on_ranks(args: Any) -> int:
     _quiet()
     from cocodiff_xfuser import commstats
 
+    wire.install()
     commstats.enable()
     rank = int(os.environ["RANK"])
     size = args.size or tiny_models.SPECS[args.model].height

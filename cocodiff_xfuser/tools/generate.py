@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     ours.add_argument("--sync-dir", type=Path, default=None, help="with --repeat: hand-shake files around the timed runs")
     mine, runner_argv = ours.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO)  # as xfuser's runner does
+    from cocodiff_xfuser.tools.fabric import wire
+
+    wire.install()
 
     from xfuser.core.utils.runner_utils import is_last_process
 

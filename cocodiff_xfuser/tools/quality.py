@@ -25,6 +25,7 @@ import numpy as np
 
 from cocodiff_xfuser.settings import CALIBRATION
 from cocodiff_xfuser.tools import launcher
+from cocodiff_xfuser.tools.fabric import wire
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import digits
 from cocodiff_xfuser.tools.models import tiny as tiny_models
@@ -155,7 +156,7 @@ def _generate(run: Run, cases: list, variants: dict[str, dict], timeout: float, 
         argv = run.argv(backends, work) + ["--cases", str(work / "cases.json"), "--variants", str(work / "variants.json")]
         bar, update = _progress_bar(work, len(cases) * len(backends)) if progress else (None, None)
         try:
-            launcher.torchrun(run.world_size, argv, timeout=timeout, while_running=update)
+            launcher.torchrun(run.world_size, argv, env=wire.GPU_WIRE, timeout=timeout, while_running=update)
         finally:
             if bar is not None:
                 bar.close()

@@ -153,7 +153,7 @@ class RingStep:
     def slow_bytes(self) -> int:
         """The bytes this rank sends over the slow links (to its ring peers on other nodes)."""
         pieces = (self._x,) if self.remote is None else self.remote.pieces
-        return sum(p.numel() * p.element_size() for p in pieces) * len(self._peers)
+        return sum(transport.wire_bytes(p) for p in pieces) * len(self._peers)
 
     def finish(self, out: torch.Tensor, received: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         """The gathered ``[ring size, n]`` with each peer's row: at an exact step, as gathered (the

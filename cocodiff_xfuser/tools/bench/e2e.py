@@ -41,7 +41,7 @@ import numpy as np
 from cocodiff_xfuser.tools import quality
 from cocodiff_xfuser.tools.bench import one_at_a_time, parse_shapes
 from cocodiff_xfuser.tools.bench.a2a import topology_for
-from cocodiff_xfuser.tools.fabric import Fabric, parse_params
+from cocodiff_xfuser.tools.fabric import Fabric, parse_params, wire
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run, compare
@@ -163,7 +163,7 @@ def _run_config(fabric: Fabric, model: str, run: Run, config: Config, repeat: in
     outcome: dict = {}
 
     def job() -> None:
-        outcome["result"] = fabric.run(argv, timeout=timeout, extra_env={"COCODIFF_COMM_STATS": "1"},
+        outcome["result"] = fabric.run(argv, timeout=timeout, extra_env={"COCODIFF_COMM_STATS": "1", **wire.GPU_WIRE},
                                        capture_output=True, text=True)
 
     thread = threading.Thread(target=job)
