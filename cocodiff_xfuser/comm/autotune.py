@@ -192,6 +192,7 @@ class AutoAllToAll:
         self.margin = margin
         self.decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
         self._uses: dict[tuple[tuple[int, ...], int], int] = {}
+        self._candidates: dict[tuple, tuple[str, ...]] = {}
         self._warned: set[str] = set()
 
     def choose(self, x: torch.Tensor, group: Any = None) -> str:
@@ -289,10 +290,15 @@ class AutoAllToAll:
     def candidates(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
         """What ``auto`` measures for ``x`` over ``group``: the eligible algorithms, and from
         ``PIPELINE_MIN_BYTES`` the hierarchical exchange in ``PIPELINE_PARTS`` (``hierarchical/2``)."""
-        names = self.registry.eligible(x, group)
-        if "hierarchical" in names and x.numel() * x.element_size() >= PIPELINE_MIN_BYTES:
-            tapa = self.registry.tapa
-            names += tuple(candidate_key("hierarchical", p) for p in PIPELINE_PARTS if tapa.reason(x, group, p) is None)
+        # Eligibility reads the group, the shape and the dtype only: decided once per such key, not per exchange.
+        key = (transport.group_ranks(group), tuple(x.shape), x.dtype, torch.compiler.is_compiling())
+        names = self._candidates.get(key)
+        if names is None:
+            names = self.registry.eligible(x, group)
+            if "hierarchical" in names and x.numel() * x.element_size() >= PIPELINE_MIN_BYTES:
+                tapa = self.registry.tapa
+                names += tuple(candidate_key("hierarchical", p) for p in PIPELINE_PARTS if tapa.reason(x, group, p) is None)
+            self._candidates[key] = names
         return names
 
     def reference(self, x: torch.Tensor, group: Any) -> str:
