@@ -24,6 +24,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
 
 
+@pytest.fixture(scope="module")
+def at_first_use(tmp_path_factory: pytest.TempPathFactory):
+    """``at_first_use(make)``: a function of a name that returns ``make(name, a fresh directory)``,
+    made at the name's first use in the module and kept (a job runs only where a selected test uses it)."""
+
+    def outputs_of(make):
+        outputs = {}
+
+        def output(name: str):
+            if name not in outputs:
+                outputs[name] = make(name, tmp_path_factory.mktemp(name))
+            return outputs[name]
+
+        return output
+
+    return outputs_of
+
+
 @pytest.fixture(autouse=True)
 def _unit_tests_launch_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if request.node.get_closest_marker("unit") is None:

@@ -58,17 +58,10 @@ def _generate(job: str, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+def generated(at_first_use):
     tiny_models.ensure_fixture("tiny-flux")
     tiny_models.ensure_fixture("tiny-sd3")
-    outputs: dict[str, Path] = {}
-
-    def output(job: str) -> Path:
-        if job not in outputs:
-            outputs[job] = _generate(job, tmp_path_factory.mktemp(job))
-        return outputs[job]
-
-    return output
+    return at_first_use(_generate)
 
 
 def _result(out: Path, job: str, backend: str) -> dict:

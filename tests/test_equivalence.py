@@ -133,19 +133,12 @@ def _generate(layout: str, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+def generated(at_first_use):
     """``generated(layout)``: the directory of the layout's job, run at its first use (the slow tier's
     layouts only run where their tests are selected)."""
     for model in MODELS:
         tiny_models.ensure_fixture(model)
-    outputs: dict[str, Path] = {}
-
-    def output(layout: str) -> Path:
-        if layout not in outputs:
-            outputs[layout] = _generate(layout, tmp_path_factory.mktemp(layout))
-        return outputs[layout]
-
-    return output
+    return at_first_use(_generate)
 
 
 def _images(out: Path, model: str, backend: str) -> np.ndarray:

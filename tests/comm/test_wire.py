@@ -52,17 +52,10 @@ def _generate(layout: str, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def generated(tmp_path_factory):
+def generated(at_first_use):
     for model in MODELS:
         tiny_models.ensure_fixture(model)
-    outputs: dict[str, Path] = {}
-
-    def output(layout: str) -> Path:
-        if layout not in outputs:
-            outputs[layout] = _generate(layout, tmp_path_factory.mktemp(layout))
-        return outputs[layout]
-
-    return output
+    return at_first_use(_generate)
 
 
 def _read(out: Path, model: str, backend: str) -> tuple[np.ndarray, dict]:
