@@ -228,8 +228,8 @@ class Exchanger:
     # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
     @torch.compiler.disable
     def start(self, x: torch.Tensor, label: str) -> Exchange:
-        """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data)."""
-        x = transport.wire_values(x)
+        """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data;
+        the wire's values: the V-First processors, its callers, round them where V-Major reads them)."""
         if self._slow_fp8(x):
             return self._start_slow_fp8(x, label)
         packed = self._packed(x)
@@ -242,8 +242,7 @@ class Exchanger:
     def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> Exchange:
         """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
-        chosen exchange sends (:func:`heads`)."""
-        tensors = tuple(transport.wire_values(t) for t in tensors)
+        chosen exchange sends (:func:`heads`; the wire's values, as the V-First processors hand them in)."""
         if self._slow_fp8(tensors[0]):
             return self._start_slow_fp8(heads(tensors, (self.world_size,), (0,)), label)
         b, h, s, d = tensors[0].shape

@@ -301,12 +301,12 @@ def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Ste
     ``v_major`` covers it: rows are then destination-major ``[W, 1, b, h/W, s, d]``.
     """
     world = exchanger.world_size
-    out = transport.wire_values(out)
     b, h, s, d = out.shape
     heads = h * world if heads is None else heads
     padding.count(out.numel() * out.element_size(), heads, h * world)
     if v_major is not None:
-        stacked = out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous()
+        # The wire's values, which V-Major's residuals are taken of (the exact exchange rounds its own).
+        stacked = transport.wire_values(out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
         covered = _Covered.start(exchanger, ("o",), stacked, "out", v_major)
         if covered is not None:
             exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
