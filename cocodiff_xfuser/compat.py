@@ -15,6 +15,7 @@ import enum
 import functools
 import importlib
 import importlib.metadata
+import sys
 from typing import Any, Callable
 
 TESTED_XFUSER_VERSION = "0.7.0"
@@ -147,7 +148,8 @@ def private(module: str, name: str) -> Any:
     """The private xfuser name ``module.name`` (one of :data:`PRIVATE_NAMES`), checked."""
     if (module, name) not in PRIVATE_NAMES:
         raise ValueError(f"{module}.{name} is not in compat.PRIVATE_NAMES; add it there")
-    return target(importlib.import_module(module), name)
+    # Read on every call (a switch may have replaced it); the module is imported once.
+    return target(sys.modules.get(module) or importlib.import_module(module), name)
 
 
 def usp(name: str) -> Any:

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -69,6 +70,18 @@ class Exchange:
         return self._out
 
 
+@dataclass(frozen=True)
+class _Route:
+    """What an exact exchange of one (label, shape, dtype) decides: its algorithm (with the hierarchical
+    exchange's pipeline parts) and its slow-link bytes, sent and exact. Kept once the autotune's choice
+    for the shape is final, so that a denoising loop's exchanges decide nothing per call."""
+
+    algorithm: str
+    parts: int
+    slow_bytes: int
+    exact_bytes: int
+
+
 class Exchanger:
     """Runs the Ulysses exchanges of one process: flat or hierarchical, chosen per message size.
 
@@ -113,6 +126,7 @@ class Exchanger:
                            self._group_desc, self.topology, idle, across)
         self.slow_level = self._slow_level(groups, "V-Major" if v_major else "fp8-slow") if v_major or slow_only else None
         self.autotune = AutoAllToAll(Registry(tapa), a2a=options.a2a)
+        self._routes: dict[tuple, _Route] = {}
         self._pending: list[Exchange] = []
         self.closed = False
         # What decisions are only valid for (kept: at exit the process groups may be gone).
@@ -164,7 +178,6 @@ class Exchanger:
     def _choose(self, x: torch.Tensor) -> str:
         if self.autotune.measures(x, self.group):
             self._complete_pending()
-        self._pending = [p for p in self._pending if not p.done]
         return self.autotune.choose(x, self.group)
 
     def _complete_pending(self) -> None:
@@ -174,14 +187,25 @@ class Exchanger:
             if not pending.done:
                 pending.wait()
 
-    def _algorithm(self, x: torch.Tensor, label: str, exact_bytes: int | None = None) -> str:
-        """Choose the algorithm for ``x`` and count the exchange (``exact_bytes``: what ``x`` would
-        be uncompressed)."""
-        algorithm = self._choose(x)
-        sent = transport.wire_bytes(x)
-        slow, exact = int(sent * self._slow_share), int((exact_bytes or sent) * self._slow_share)
-        commstats.count_exchange(algorithm, label, slow_link_bytes=slow, slow_link_bytes_exact=exact)
-        return algorithm
+    def _route(
+        self, label: str, numel: int, dtype: torch.dtype, device: torch.device, exact_bytes: int,
+        payload: Callable[[], torch.Tensor],
+    ) -> _Route:
+        """The route of a flat payload of ``numel`` elements of ``dtype`` on ``device`` (``payload()``
+        makes one to choose with, called only where the route is not kept yet), counted as one
+        exchange (``exact_bytes``: the exchange's size uncompressed, on the wire)."""
+        key = (label, numel, dtype, device, exact_bytes)
+        route = self._routes.get(key)
+        if route is None:
+            x = payload()
+            algorithm = self._choose(x)
+            parts = self.autotune.parts(x, self.group) if algorithm == "hierarchical" else 1
+            sent = transport.wire_bytes(x)
+            route = _Route(algorithm, parts, int(sent * self._slow_share), int(exact_bytes * self._slow_share))
+            if self.autotune.settled(x, self.group):
+                self._routes[key] = route
+        commstats.count_exchange(route.algorithm, label, slow_link_bytes=route.slow_bytes, slow_link_bytes_exact=route.exact_bytes)
+        return route
 
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
         """``x`` (W equal chunks along dim 0, rows of its last dim) packed for ``--cocodiff-compress
@@ -206,8 +230,14 @@ class Exchanger:
 
     def _pending_handle(self, handle: Exchange) -> Exchange:
         """``handle``, remembered until it completes (a measurement completes it first)."""
+        self._pending = [p for p in self._pending if not p.done]
         self._pending.append(handle)
         return handle
+
+    def _flat_route(self, flat: torch.Tensor, x: torch.Tensor, label: str) -> _Route:
+        """The route of the exchange of ``x`` as the flat payload ``flat`` (``x`` packed or not)."""
+        return self.finish(lambda: self._route(label, flat.numel(), flat.dtype, flat.device, transport.wire_bytes(x), lambda: flat),
+                           label, "autotune")
 
     def _slow_fp8(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is exchanged as fp8 over the slow level only (``--cocodiff-compress fp8-slow``)."""
@@ -234,7 +264,7 @@ class Exchanger:
             return self._start_slow_fp8(x, label)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = self.finish(lambda: self._algorithm(flat, label, transport.wire_bytes(x)), label, "autotune")
+        algorithm = self._flat_route(flat, x, label).algorithm
         started = self.finish(lambda: self.autotune.start(algorithm, flat, self.group), label, algorithm)
         return self._pending_handle(Exchange(self, started, x.shape, label, algorithm, unpack))
 
@@ -253,11 +283,14 @@ class Exchanger:
             numel, dtype = math.prod(shape), tensors[0].dtype
         else:
             numel, dtype = self.world_size * compress.packed_bytes(math.prod(shape[1:-1]), d), torch.uint8
-        probe = tensors[0].new_empty(1, dtype=dtype).expand(numel)
-        if self.autotune.measures(probe, self.group):
-            probe = tensors[0].new_empty(numel, dtype=dtype)
-        algorithm = self.finish(lambda: self._algorithm(probe, label, exact_bytes), label, "autotune")
-        if algorithm == "hierarchical" and self.autotune.parts(probe, self.group) == 1:
+
+        def probe() -> torch.Tensor:
+            probe = tensors[0].new_empty(1, dtype=dtype).expand(numel)
+            return tensors[0].new_empty(numel, dtype=dtype) if self.autotune.measures(probe, self.group) else probe
+
+        route = self.finish(lambda: self._route(label, numel, dtype, tensors[0].device, exact_bytes, probe), label, "autotune")
+        algorithm = route.algorithm
+        if algorithm == "hierarchical" and route.parts == 1:
             sends = self.autotune.registry.tapa.input_layout(self.group)
             data, extra = heads(tensors, self.levels, sends), {"layout": sends}
         else:
@@ -299,7 +332,7 @@ class Exchanger:
             return self._start_slow_fp8(x, label).wait().reshape(x.shape)
         packed = self._packed(x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = self.finish(lambda: self._algorithm(flat, label, transport.wire_bytes(x)), label, "autotune")
+        algorithm = self._flat_route(flat, x, label).algorithm
         out = self.finish(lambda: self.autotune.run(algorithm, flat, self.group), label, algorithm)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 

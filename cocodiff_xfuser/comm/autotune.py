@@ -263,6 +263,18 @@ class AutoAllToAll:
         d = self.decisions[key]
         return self._uses.get(key, 0) + 1 == RECHECK_USES and d.algorithm != d.reference
 
+    def settled(self, x: torch.Tensor, group: Any = None) -> bool:
+        """Whether :meth:`choose`'s answer for ``x`` over ``group`` is final: it will neither measure,
+        re-check nor count a fall-back again (a caller may then keep the answer for the shape)."""
+        group = group if group is not None else dist.group.WORLD
+        if self.a2a != "auto":
+            return self.registry.reason(self.a2a, x, group) is None
+        if len(self.candidates(x, group)) == 1:
+            return True
+        key = self._key(x, group)
+        d = self.decisions.get(key)
+        return d is not None and (d.algorithm == d.reference or self._uses.get(key, 0) >= RECHECK_USES)
+
     def to_dict(self) -> dict[str, Any]:
         topology = self.registry.tapa.topology if self.registry.tapa is not None else None
         return {

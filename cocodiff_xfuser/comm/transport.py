@@ -185,7 +185,7 @@ def device_semantics() -> bool:
 def backend_name(group: Any = None, device: torch.device | str = "cpu") -> str:
     """Name of the backend that runs operations of ``group`` on ``device`` (``"gloo"``, ``"nccl"``...)."""
     group = group if group is not None else dist.group.WORLD
-    dev = torch.device(device).type
+    dev = device.type if isinstance(device, torch.device) else torch.device(device).type
     key = (group, dev)
     if key not in _backend_cache:
         config = str(dist.get_backend_config(group))  # "gloo", or "cpu:gloo,cuda:nccl"
@@ -281,7 +281,7 @@ def exchange_chunks(out: torch.Tensor, inp: torch.Tensor, group: Any, what: str)
     me, world = group_info(group)
     if inp.numel() != out.numel() or inp.numel() % world:
         raise ValueError(f"equal-split exchange needs equal sizes divisible by {world}: {inp.numel()}, {out.numel()}")
-    send, recv = inp.view(world, -1), out.view(world, -1)
+    send, recv = inp.view(world, -1).unbind(0), out.view(world, -1).unbind(0)
     done = post([[c] for c in recv], [[c] for c in send], group, None, what, (out, inp))
     copy_own(recv[me], send[me])
     return done

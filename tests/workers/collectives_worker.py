@@ -519,9 +519,10 @@ def case_autotune(tmpdir: str) -> None:
             reverted = commstats.ran()["reverted"].get("hierarchical", 0)
             picks = [tuner2.choose(xs[0]) for _ in range(autotune.RECHECK_USES - 1)]
             check(tuner2.measures(xs[0]) and picks == ["hierarchical"] * len(picks), f"before the re-check: {picks}")
+            check(not tuner2.settled(xs[0]), "a choice awaiting its re-check is not final")
             picks = [tuner2.choose(xs[0]) for _ in range(3)]
             check(picks == [expect] * 3 and _agreed(picks), f"re-check with {slow_rank}: {picks}, expected {expect}")
-            check(not tuner2.measures(xs[0]), "a bucket is re-checked once")
+            check(not tuner2.measures(xs[0]) and tuner2.settled(xs[0]), "a bucket is re-checked once, then final")
             count = commstats.ran()["reverted"].get("hierarchical", 0) - reverted
             check(count == (expect == "flat-p2p"), f"reverts counted: {count}")
             d = next(iter(tuner2.decisions.values()))
@@ -549,6 +550,7 @@ def case_autotune(tmpdir: str) -> None:
         check(sum(fallbacks.values()) == 1, f"the forced fall-back is counted: {fallbacks}")
         no_tapa = AutoAllToAll(Registry(None), a2a="hierarchical")
         check(no_tapa.choose(xs[0]) == "flat" and sum(commstats.ran()["fallbacks"].values()) == 2, "no plan: flat, counted")
+        check(not no_tapa.settled(xs[0]) and forced.settled(xs[0]), "a forced fall-back counts on every use: never final")
         check(AutoAllToAll(Registry(None), a2a="flat-p2p").choose(xs[0]) == "flat-p2p", "no plan, gloo: flat-p2p")
         check(timer.calls == calls, "overrides must not measure")
         # auto without a plan on gloo: flat vs flat-p2p only.
