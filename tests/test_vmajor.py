@@ -322,3 +322,25 @@ def test_ring_peers_hold_what_the_sender_references():
     untouched = [0, 2, 3, 5]
     assert torch.equal(receiver.held[1][:, untouched], x0[:, untouched])
     assert (sender.reference - x1)[:, [1, 4]].norm() < 0.1 * (x1 - x0)[:, [1, 4]].norm()  # fp8's rounding is left
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path):
+    """U4 x R2 over 4x2: the Ulysses group and the ring both cross nodes. Every policy runs V-Major
+    on both (the threshold's counts are agreed over the Ulysses group that reads them, not over the
+    clock's world), under a device backend's rules, every rank launching the same collectives."""
+    policies = ("threshold", "top-k", "schedule", "budget")
+    variants = {p: {"sp_backend": "cocodiff", "cocodiff_v_major": "on", "cocodiff_v_major_policy": p} for p in policies}
+    (tmp_path / "variants.json").write_text(json.dumps(variants))
+    run = Run(model="tiny-flux", ulysses_degree=4, ring_degree=2, topology="4x2", steps=6, height=64, width=64)
+    argv = run.argv(policies, tmp_path) + ["--variants", str(tmp_path / "variants.json")]
+    launcher.torchrun(8, argv, env={DEVICE_SEMANTICS_ENV: "1"}, timeout=840)
+    for p in policies:
+        result = json.loads((output_dir(tmp_path, tiny_models.SPECS["tiny-flux"].model_id, p) / "result.json").read_text())
+        ran = result["ran"]
+        assert all(sequence == result["launches"][0] for sequence in result["launches"][1:]), f"{p}: ranks launched apart"
+        assert not ran["fallbacks"], (p, ran)
+        assert ran["exchanges"].get("ring v-major", 0) > 0, (p, ran)
+        assert sum(n for a, n in ran["exchanges"].items() if a.startswith("v-major")) > 0, (p, ran)
+        assert ran["slow_link_bytes"] < ran["slow_link_bytes_exact"], (p, ran)

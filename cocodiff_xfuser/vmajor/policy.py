@@ -20,10 +20,12 @@ logger = logging.getLogger("cocodiff_xfuser")
 
 
 class Layer:
-    """The V-Major state of one attention layer (owned by its V-First processor)."""
+    """The V-Major state of one attention layer (owned by its V-First processor), whose exchanges run
+    over the Ulysses ``group`` (where a threshold's counts are agreed: the clock's group is the world
+    where the ring crosses nodes too, and a sparse exchange reads counts by Ulysses-group rank)."""
 
-    def __init__(self, clock: Clock, settings: VMajorSettings) -> None:
-        self.clock, self.settings = clock, settings
+    def __init__(self, clock: Clock, settings: VMajorSettings, group: Any = None) -> None:
+        self.clock, self.settings, self.group = clock, settings, group
         self.index = clock.layers
         clock.layers += 1
         self._call = -1
@@ -98,7 +100,7 @@ class Layer:
         # exchange, the same program point on every rank; Q/K's and the output's reuse it.
         world = v.shape[0]
         fixed = not isinstance(settings.rule, Threshold)
-        selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, clock.agreement_group())
+        selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, self.group if self.group is not None else clock.agreement_group())
         return Step(self, caches, active, selection)
 
 

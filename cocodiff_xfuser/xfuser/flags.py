@@ -34,7 +34,7 @@ def env_backend() -> str:
 _TYPES = {"str": str, "str | None": str, "float": float, "int": int}
 
 
-def _add_backend_args(parser) -> None:
+def add_backend_args(parser) -> None:
     group = parser.add_argument_group("cocodiff-xfuser")
     default = env_backend()
     if default not in SP_BACKENDS:
@@ -132,7 +132,7 @@ def patch_args(args_module: types.ModuleType) -> None:
         def add_args(parser):
             parser = original(parser)
             if "--sp_backend" not in parser._option_string_actions:
-                _add_backend_args(parser)
+                add_backend_args(parser)
             return parser
 
         return add_args

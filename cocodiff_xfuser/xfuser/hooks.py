@@ -5,6 +5,7 @@ each module named in :data:`HOOKS`. The patches, by concern:
 
 * :mod:`.devices`: platform enablement, on hosts without CUDA only (XPU, CPU);
 * :mod:`.flags`: ``--sp-backend`` and cocodiff's options on both entry paths;
+* :mod:`.launch`: the ``xdit`` CLI checks them before torchrun starts a worker;
 * :mod:`.activation`: the job's exchanger (:mod:`.job`) started with xfuser's process groups, every
   Ulysses exchange routed to it, per model a fall-back to stock or V-First processors; external models
   (``cocodiff/...``) registered on first lookup;
@@ -23,7 +24,7 @@ import types
 from typing import Callable
 
 from cocodiff_xfuser import compat
-from cocodiff_xfuser.xfuser import activation, devices, flags, padded, workarounds
+from cocodiff_xfuser.xfuser import activation, devices, flags, launch, padded, workarounds
 
 Hook = Callable[[types.ModuleType], None]
 
@@ -64,6 +65,7 @@ HOOKS: dict[str, tuple[Hook | None, Hook | None]] = {
     devices.YUNCHANG_GATED[0]: (devices.open_yunchang_gate, _after_usp),
     _RING_NPU: (_before_ring_npu, devices.close_yunchang_gate),
     "xfuser.config.args": (None, flags.patch_args),
+    "xfuser.cli": (None, launch.patch_cli),
     "xfuser.core.distributed.parallel_state": (None, devices.patch_parallel_state),
     "xfuser.core.distributed.group_coordinator": (None, devices.patch_group_coordinator),
     "xfuser.core.distributed.runtime_state": (None, lambda rs: (devices.patch_runtime_state(rs), activation.patch_runtime_state(rs), padded.patch_runtime_state(rs))),

@@ -323,16 +323,23 @@ def test_decisions_measured_elsewhere_are_refused_once(tmp_path):
 
 
 @pytest.mark.distributed
-def test_xdit_user_error_is_printed_once(tmp_path):
+@pytest.mark.parametrize("given, line", [
+    (("--cocodiff-topology", "3x3"), "cocodiff: topology 3x3"),
+    (("--cocodiff-v-major", "on", "--cocodiff-v-major-policy", "budget", "--cocodiff-v-major-threshold", "0.3"),
+     "cocodiff: --cocodiff-v-major-threshold is not read by policy budget"),
+    (("--cocodiff-a2a", "fastest"), "invalid choice: 'fastest'"),
+])
+def test_xdit_refuses_a_mistake_before_launch(tmp_path, given, line):
+    """A mistake that needs no ranks: one line from the xdit process, exit 2, no worker started."""
     xdit = os.path.join(os.path.dirname(sys.executable), "xdit")
     result = subprocess.run(
-        [xdit, "--model", "cocodiff/tiny-flux", "--ulysses_degree", "2", "--sp-backend", "cocodiff",
-         "--cocodiff-topology", "3x3", "--prompt", "a cat"],
+        [xdit, "--model", "cocodiff/tiny-flux", "--ulysses_degree", "2", "--sp-backend", "cocodiff", *given,
+         "--prompt", "a cat"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert output.count("cocodiff: topology 3x3") == 1, output[-3000:]
+    ours = [s for s in result.stderr.splitlines() if s.startswith("cocodiff")]
+    assert result.returncode == 2 and len(ours) == 1 and line in ours[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "torch.distributed" not in result.stderr and result.stdout == ""
 
 
 def test_v_major_auto_takes_its_budget_from_the_calibration():
