@@ -65,13 +65,32 @@ def test_unknown_or_unreadable_file(tmp_path):
         VMajorSettings.load(tmp_path / "missing.yaml")
 
 
-def test_clock_counts_steps_branches_and_calls():
+def test_clock_counts_steps_and_branches_within_each_pipeline_call():
     clock = vmajor_clock.Clock()
+    clock.tick(1.0)  # outside a pipeline call: nothing counts
+    assert clock.current is None
     seen = []
-    for t in (1.0, 0.5, 0.5, 0.2, 1.0, 0.6):  # a 3-step call with a second branch at step 1, then a new call
-        clock.tick(torch.tensor([t, t]))
-        seen.append((clock.call, clock.step, clock.branch))
+    # A 3-step call with a second branch at step 1, then a call that starts below the last one's
+    # last timestep (img2img at low strength, a resumed schedule): its own step 0, not step 3.
+    for call in ((1.0, 0.5, 0.5, 0.2), (0.15, 0.1)):
+        clock.open()
+        for t in call:
+            clock.tick(torch.tensor([t, t]))
+            seen.append((clock.calls, clock.current.step, clock.current.branch))
+        clock.close()
     assert seen == [(1, 0, 0), (1, 1, 0), (1, 1, 1), (1, 2, 0), (2, 0, 0), (2, 1, 0)]
+    assert clock.current is None
+
+
+def test_a_call_frees_its_caches_when_it_ends():
+    layer = _layer()
+    v = torch.randn(2, 1, 1, 2, 8, 4)
+    assert layer.begin(v).caches is not None and layer.clock.current.caches
+    call = layer.clock.current
+    layer.clock.close()
+    assert layer.clock.current is None and call.settle() is None
+    layer.clock.open()
+    assert not layer.clock.current.caches and not layer.clock.current.budget.held  # the next call starts empty
 
 
 @pytest.fixture
@@ -112,6 +131,7 @@ def test_auto_trial_times_whole_steps_and_keeps_the_fastest_arm(one_rank_group, 
 
     commstats.reset_ran()
     clock = vmajor_clock.Clock(trial_from=2)
+    clock.open()
     now = [0.0]
     monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])  # what every timing reads
     arms = []
@@ -128,13 +148,17 @@ def test_auto_trial_times_whole_steps_and_keeps_the_fastest_arm(one_rank_group, 
     assert fallbacks.get("v-first: steps not faster than stock processors' steps", 0) == (runs == "stock")
     # A new pipeline call keeps the decision; a trial cut short by a new call starts over.
     short = vmajor_clock.Clock(trial_from=1)
-    for t in (1.0, 0.9, 0.8, 1.0):
+    short.open()
+    for t in (1.0, 0.9, 0.8):
         short.tick(t)
+    short.open()
+    short.tick(1.0)
     assert short.trial is not None and short.trial.times == [] and not short.off and not short.stock
 
 
 def _layer(**overrides) -> policy.Layer:
     clock = vmajor_clock.Clock()
+    clock.open()
     clock.tick(1.0)
     return policy.Layer(clock, VMajorSettings.load(warmup_steps=1, **overrides))
 

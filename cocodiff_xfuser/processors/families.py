@@ -139,13 +139,24 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
         logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
     if exchanger.ring_remote:
         if "_cocodiff_ring" not in transformer.__dict__:
-            # The exchanger runs one transformer's ring at a time: the one that is called.
+            # The exchanger runs the ring of the transformer being called, and none between calls.
             transformer.register_forward_pre_hook(_use_ring)
+            transformer.register_forward_hook(_leave_ring)
         transformer._cocodiff_ring = (exchanger, ring.Ring(clock, settings, exchanger.ring_group, exchanger.ring_remote))
         logger.info("cocodiff: V-Major on the ring's K/V across nodes: %s", settings.describe())
+
+
+def clocks(transformers: list[torch.nn.Module]) -> list[vmajor_clock.Clock]:
+    """The V-Major clocks of ``transformers`` (none where V-Major is off)."""
+    return [t.__dict__["_cocodiff_clock"] for t in transformers if "_cocodiff_clock" in t.__dict__]
 
 
 @torch.compiler.disable
 def _use_ring(transformer: torch.nn.Module, args: tuple) -> None:
     exchanger, ring_v_major = transformer._cocodiff_ring
     exchanger.ring_v_major = ring_v_major
+
+
+@torch.compiler.disable
+def _leave_ring(transformer: torch.nn.Module, args: tuple, output: object) -> None:
+    transformer._cocodiff_ring[0].ring_v_major = None

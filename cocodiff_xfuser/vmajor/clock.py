@@ -102,107 +102,152 @@ class Trial:
         return "stock"
 
 
-class Clock:
-    """The denoising step of one transformer, read from the timesteps it is called with.
+class Call:
+    """One pipeline call's V-Major state, opened at the pipeline's entry and dropped when the call
+    returns (:meth:`Clock.open`, :meth:`Clock.close`): where the call is (step, branch), every
+    layer's caches and the budget they are held against, and the shares its layers agree (policy
+    budget). Nothing of one call reaches the next: a request served after others starts as it
+    would in a fresh process."""
 
-    A timestep lower than the last one is the next step; the same one, another call of the same
-    step (true CFG's second branch); a higher one (or the first), a new pipeline call.
-    """
-
-    def __init__(self, group: Any = None, trial_from: int | None = None, arms: tuple[str, ...] = ARMS) -> None:
-        self.call = 0
+    def __init__(self) -> None:
         self.step = 0
         self.branch = 0
-        self.layers = 0  # V-Major layers attached to this clock
-        self.budget = Budget()  # their caches
-        self.group = group  # the Ulysses group the layers' counts are agreed over (policy budget)
-        # Auto's speed check from step ``trial_from`` over ``arms`` (None: none), until it decides;
-        # ``off``: it found V-Major's steps not faster, and every exchange is exact for the rest of
-        # the job; ``stock``: it found V-First's not faster either, and xfuser's processors take over.
-        self.trial = None if trial_from is None else Trial(trial_from, arms)
-        self.off = self.stock = False
+        self._last: float | None = None  # the timestep of the transformer call before
+        # (layer index on the clock, branch) -> that layer's caches (a Ulysses layer's or a ring layer's).
+        self.caches: dict[tuple[int, int], Any] = {}
+        self.budget = Budget()
         # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
         self.needed: list[tuple[int, torch.Tensor]] = []
         self._agreeing: tuple[Any, torch.Tensor] | None = None  # an all-reduce in flight, and its tensor
-        self._last: float | None = None
 
-    def tick(self, timestep: Any) -> None:
-        t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
-        if self._last is None or t > self._last:
-            self.call, self.step, self.branch = self.call + 1, 0, 0
-            self._take_shares()  # the last call's: completed, then dropped
-            self.shares, self.needed = None, []
-            if self.trial is not None:
-                self.trial.restart()
-        elif t == self._last:
+    def tick(self, t: float) -> bool:
+        """A transformer call at timestep ``t``: the same timestep as the call before is another
+        branch of the step (true CFG's second), another one the next step (True)."""
+        last, self._last = self._last, t
+        if last is None:
+            return False
+        if t == last:
             self.branch += 1
-        else:
-            self.step, self.branch = self.step + 1, 0
-            self._agree_shares()
-        self._last = t
-        if self.trial is not None and self.branch == 0:
-            device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
-            arm = self.trial.at_step(self.step, device, self.agreement_group())
-            if arm is not None:
-                self.trial, self.off, self.stock = None, arm != "v-major", arm == "stock"
+            return False
+        self.step, self.branch = self.step + 1, 0
+        return True
 
-    def agreement_group(self) -> Any:
-        """The group the clock's agreements run over: the Ulysses group, or WORLD where none was given
-        (looked up when used: a clock can be built before the process group)."""
-        return self.group if self.group is not None else dist.group.WORLD
+    def drop(self, layer: int) -> None:
+        """Free ``layer``'s caches (every branch)."""
+        for key in [k for k in self.caches if k[0] == layer]:
+            del self.caches[key]
+        self.budget.release(layer)
 
-    def exact_step(self) -> bool:
-        """Whether this step runs without V-Major (one of auto's timed exact steps)."""
-        return self.trial is not None and self.trial.arm(self.step) not in (None, "v-major")
-
-    def stock_step(self) -> bool:
-        """Whether this step's attention runs xfuser's processors over cocodiff's exchange (auto found
-        V-First not faster, or this is one of its timed stock steps)."""
-        return self.stock or (self.trial is not None and self.trial.arm(self.step) == "stock")
-
-    def need(self, layer: int, share: torch.Tensor) -> None:
-        """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget
-        (the largest of a step's calls counts; gathered once per step, in :meth:`_agree_shares`)."""
-        self.needed.append((layer, share))
-
-    def shares_now(self) -> list[float] | None:
-        """The agreed shares for this step; the first time there are any, waits for their agreement."""
-        if self.shares is None:
-            self._take_shares()
-        return self.shares
-
-    def _agree_shares(self) -> None:
-        """Agree the shares the layers measured during the step that ended (MAX over the group),
+    def agree_shares(self, layers: int, group: Any) -> None:
+        """Agree the shares the layers measured during the step that ended (MAX over ``group``),
         without waiting: one all-reduce per step, launched here and read at the next step's tick
         (a step's counts come from the measurements of two steps before, the first sparse step's
         from the step before), so no step waits for the others' measurements and, on a GPU, the
         host reads a result its queue has long passed. Whether it runs depends on the steps and
         the layers that ran, the same on every rank."""
-        self._take_shares()
+        self.take_shares()
         if not self.needed:
             return
-        layers, shares = zip(*self.needed)
+        indices, shares = zip(*self.needed)
         device = shares[0].device
-        needed = torch.zeros(self.layers, dtype=torch.float32, device=device).index_reduce_(
-            0, torch.tensor(layers, device=device), torch.stack(shares).float(), "amax")
-        group = self.agreement_group()
+        needed = torch.zeros(layers, dtype=torch.float32, device=device).index_reduce_(
+            0, torch.tensor(indices, device=device), torch.stack(shares).float(), "amax")
         transport.launched(group, "all_reduce")
         work = dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
         self._agreeing, self.needed = (work, needed), []
 
-    def settle(self) -> None:
-        """Complete the agreement in flight (after a transformer call: it has had the whole call to
-        finish, and nothing is left in flight when the job ends)."""
-        if self._agreeing is not None:
-            self._agreeing[0].wait()
-
-    def _take_shares(self) -> None:
+    def take_shares(self) -> None:
         if self._agreeing is not None:
             work, needed = self._agreeing
             work.wait()
             self.shares, self._agreeing = needed.tolist(), None
+
+    def settle(self) -> None:
+        """Complete the agreement in flight (after a transformer call: it has had the whole call to
+        finish, and nothing is left in flight when the call ends)."""
+        if self._agreeing is not None:
+            self._agreeing[0].wait()
+
+
+class Clock:
+    """The V-Major clock of one transformer: its layers, the pipeline call in progress
+    (:attr:`current`, a :class:`Call`), and what holds for the whole job (auto's decision).
+
+    Within a call, a transformer call at the same timestep as the one before is another branch of
+    the step (true CFG's second), at another timestep the next step. A transformer called outside a
+    pipeline call (no :attr:`current`) exchanges exactly.
+    """
+
+    def __init__(self, group: Any = None, trial_from: int | None = None, arms: tuple[str, ...] = ARMS) -> None:
+        self.layers = 0  # V-Major layers attached to this clock (Ulysses and ring)
+        self.group = group  # the group the layers' shares are agreed over (policy budget)
+        self.current: Call | None = None
+        self.calls = 0  # pipeline calls opened so far
+        self.budget_warned = False  # the one log line for the job
+        # Auto's speed check from step ``trial_from`` over ``arms`` (None: none), until it decides;
+        # ``off``: it found V-Major's steps not faster, and every exchange is exact for the rest of
+        # the job; ``stock``: it found V-First's not faster either, and xfuser's processors take over.
+        self.trial = None if trial_from is None else Trial(trial_from, arms)
+        self.off = self.stock = False
+
+    def open(self) -> Call:
+        """A pipeline call starts: its own state, nothing carried over from the last."""
+        self.close()
+        self.current, self.calls = Call(), self.calls + 1
+        if self.trial is not None:
+            self.trial.restart()
+        return self.current
+
+    def close(self) -> None:
+        """The pipeline call ended (returned or raised): its agreement completed, its caches freed."""
+        call, self.current = self.current, None
+        if call is not None:
+            call.settle()
+
+    def tick(self, timestep: Any) -> None:
+        call = self.current
+        if call is None:
+            return
+        t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
+        if call.tick(t):
+            call.agree_shares(self.layers, self.agreement_group())
+        if self.trial is not None and call.branch == 0:
+            device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
+            arm = self.trial.at_step(call.step, device, self.agreement_group())
+            if arm is not None:
+                self.trial, self.off, self.stock = None, arm != "v-major", arm == "stock"
+
+    def agreement_group(self) -> Any:
+        """The group the clock's agreements run over: the given one, or WORLD where none was given
+        (looked up when used: a clock can be built before the process group)."""
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def exact_step(self) -> bool:
+        """Whether this step runs without V-Major (one of auto's timed exact steps)."""
+        return self.trial is not None and self.current is not None and self.trial.arm(self.current.step) not in (None, "v-major")
+
+    def stock_step(self) -> bool:
+        """Whether this step's attention runs xfuser's processors over cocodiff's exchange (auto found
+        V-First not faster, or this is one of its timed stock steps)."""
+        return self.stock or (self.trial is not None and self.current is not None and self.trial.arm(self.current.step) == "stock")
+
+    def need(self, layer: int, share: torch.Tensor) -> None:
+        """Layer ``layer`` needs to send ``share`` (a device scalar) of its tokens to meet its budget
+        (the largest of a step's calls counts; gathered once per step, in :meth:`Call.agree_shares`)."""
+        self.current.needed.append((layer, share))
+
+    def shares_now(self) -> list[float] | None:
+        """The agreed shares for this step; the first time there are any, waits for their agreement."""
+        call = self.current
+        if call.shares is None:
+            call.take_shares()
+        return call.shares
+
+    def settle(self) -> None:
+        if self.current is not None:
+            self.current.settle()
 
 
 def attach_clock(

@@ -28,46 +28,42 @@ class Layer:
         self.clock, self.settings, self.group = clock, settings, group
         self.index = clock.layers
         clock.layers += 1
-        self._call = -1
-        self._caches: dict[int, Caches] = {}
 
     def stopped(self) -> bool:
         """Whether this call runs without V-Major, as V-First alone: auto turned it off for the job
         (the layer's caches are then dropped), or this is one of its timed exact steps (the caches
         are kept: the senders' references still match what the receivers hold)."""
-        if self.clock.off and self._caches:
-            self._drop_caches()
+        call = self.clock.current
+        if self.clock.off and call is not None:
+            call.drop(self.index)
         return self.clock.off or self.clock.exact_step()
-
-    def _drop_caches(self) -> None:
-        self._caches = {}
-        self.clock.budget.release(id(self))
 
     def begin(self, v: torch.Tensor) -> Step:
         """Decide this call's exchanges from V (destination-major ``[W, 1, b, h/W, s, d]``)."""
-        clock, settings = self.clock, self.settings
-        if clock.call != self._call:  # a new pipeline call: nothing carries over
-            self._call = clock.call
-            self._drop_caches()
-            if self.index == 0:
-                need = cache_bytes(v, settings)
-                logger.info(
-                    "cocodiff: V-Major caches need %.1f MiB per layer, %.1f MiB for %d layers (budget %g MiB)",
-                    need / 2**20, need * clock.layers / 2**20, clock.layers, settings.budget_mib,
-                )
-        caches = self._caches.get(clock.branch)
+        clock, settings, call = self.clock, self.settings, self.clock.current
+        if call is None:  # the transformer called outside a pipeline call: nothing to keep
+            commstats.count_fallback("v-major: outside a pipeline call")
+            return Step(self, None, None)
+        if self.index == 0 and call.step == 0 and call.branch == 0:
+            need = cache_bytes(v, settings)
+            logger.info(
+                "cocodiff: V-Major caches need %.1f MiB per layer, %.1f MiB for %d layers (budget %g MiB)",
+                need / 2**20, need * clock.layers / 2**20, clock.layers, settings.budget_mib,
+            )
+        key = (self.index, call.branch)
+        caches = call.caches.get(key)
         if caches is None or caches.shape != tuple(v.shape):
-            if not clock.budget.admit((id(self), clock.branch), cache_bytes(v, settings), settings.budget_mib):
-                if not clock.budget.warned:
-                    clock.budget.warned = True
+            if not call.budget.admit(key, cache_bytes(v, settings), settings.budget_mib):
+                if not clock.budget_warned:
+                    clock.budget_warned = True
                     logger.warning(
                         "cocodiff: V-Major cache budget (%g MiB, --cocodiff-v-major-budget-mib) reached at layer %d "
                         "of %d; layers beyond it use the exact exchange", settings.budget_mib, self.index, clock.layers,
                     )
                 commstats.count_fallback("v-major: cache budget")
                 return Step(self, None, None)
-            caches = self._caches[clock.branch] = Caches(tuple(v.shape))
-        step, s = clock.step, v.shape[4]
+            caches = call.caches[key] = Caches(tuple(v.shape))
+        step, s = call.step, v.shape[4]
         reference = caches.reference.get("v")
         ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
         if isinstance(settings.rule, Budget) and reference is not None:

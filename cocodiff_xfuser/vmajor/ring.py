@@ -47,8 +47,11 @@ class Ring:
         """This call's step for ``buffer`` (K then V, each ``row`` elements per token); None: the
         exact gather, nothing kept (V-Major off, a timed exact step, over the cache budget, or a
         buffer that is not two equal halves of whole tokens)."""
-        clock = self.clock
-        now = (clock.call, clock.step, clock.branch)
+        clock, call = self.clock, self.clock.current
+        if call is None:  # the transformer called outside a pipeline call: nothing to keep
+            commstats.count_fallback("v-major: outside a pipeline call")
+            return None
+        now = (clock.calls, call.step, call.branch)
         if now != self._call:
             self._call, self._next = now, 0
         if self._next == len(self.layers):
@@ -63,7 +66,7 @@ class Ring:
 
 @dataclass
 class _Caches:
-    """One ring layer's copies for one (pipeline call, branch), all ``[2, T, row]``."""
+    """One ring layer's copies for one branch of a pipeline call, all ``[2, T, row]``."""
 
     reference: torch.Tensor | None = None  # this rank's K/V as the peers on other nodes hold it
     held: dict[int, torch.Tensor] = field(default_factory=dict)  # ring rank on another node -> its K/V here
@@ -76,31 +79,23 @@ class RingLayer:
         self.ring = ring
         self.index = ring.clock.layers  # on the clock, beside the Ulysses layers
         ring.clock.layers += 1
-        self._call = -1
-        self._caches: dict[int, _Caches] = {}
-
-    def _drop_caches(self) -> None:
-        self._caches = {}
-        self.ring.clock.budget.release(id(self))
 
     def begin(self, x: torch.Tensor) -> RingStep | None:
-        """Decide this call's exchange of ``x`` (``[2, T, row]``)."""
-        ring, clock, settings = self.ring, self.ring.clock, self.ring.settings
-        if clock.off and self._caches:
-            self._drop_caches()
+        """Decide this call's exchange of ``x`` (``[2, T, row]``), in the pipeline call in progress."""
+        ring, clock, settings, call = self.ring, self.ring.clock, self.ring.settings, self.ring.clock.current
+        if clock.off:
+            call.drop(self.index)
         if clock.off or clock.exact_step():  # auto's exact steps keep the caches: they still match
             return None
-        if clock.call != self._call:  # a new pipeline call: nothing carries over
-            self._call = clock.call
-            self._drop_caches()
-        caches = self._caches.get(clock.branch)
+        key = (self.index, call.branch)
+        caches = call.caches.get(key)
         if caches is None or caches.reference is None or caches.reference.shape != x.shape:
             nbytes = x.numel() * x.element_size() * (1 + len(ring.remote))
-            if not clock.budget.admit((id(self), clock.branch), nbytes, settings.budget_mib):
+            if not call.budget.admit(key, nbytes, settings.budget_mib):
                 commstats.count_fallback("v-major: cache budget")
                 return None
-            caches = self._caches[clock.branch] = _Caches()
-        step, tokens = clock.step, x.shape[1]
+            caches = call.caches[key] = _Caches()
+        step, tokens = call.step, x.shape[1]
         reference, residual = caches.reference, settings.residual
         ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
         if isinstance(settings.rule, Budget) and reference is not None:

@@ -9,11 +9,10 @@ from cocodiff_xfuser.settings import VMajorSettings
 
 
 class Budget:
-    """Cache bytes held per (layer, branch) of one transformer, against ``budget_mib``."""
+    """Cache bytes held per (layer, branch) in one pipeline call of one transformer, against ``budget_mib``."""
 
     def __init__(self) -> None:
         self.held: dict[tuple[int, int], int] = {}
-        self.warned = False  # the one log line
 
     def admit(self, key: tuple[int, int], nbytes: int, budget_mib: float) -> bool:
         self.held.pop(key, None)
@@ -28,7 +27,7 @@ class Budget:
 
 
 class Caches:
-    """One layer's caches for one (pipeline call, branch): the sender's reference, the receivers' results."""
+    """One layer's caches for one branch of a pipeline call: the sender's reference, the receivers' results."""
 
     def __init__(self, shape: tuple) -> None:
         self.shape = shape

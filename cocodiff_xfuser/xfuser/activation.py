@@ -14,7 +14,7 @@ import torch
 from cocodiff_xfuser import commstats, compat, padding
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
-from cocodiff_xfuser.xfuser import fault_policy, flags, job, padded
+from cocodiff_xfuser.xfuser import calls, fault_policy, flags, job, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -182,15 +182,15 @@ def _adapting_model_after(original, get_transformers):
 
     def wrapper(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        _adapt(get_transformers(self, result))
+        _adapt(*get_transformers(self, result))
         return result
 
     return wrapper
 
 
-def _adapt(transformers: list) -> None:
+def _adapt(pipe, transformers: list) -> None:
     """The loaded model's transformers under the job's exchanger, if any: stock for unsupported models,
-    else V-First and V-Major where asked for."""
+    else V-First and V-Major where asked for (each call of ``pipe`` in its own V-Major context)."""
     exchanger = job.exchanger()
     if exchanger is None:
         return
@@ -217,6 +217,7 @@ def _adapt(transformers: list) -> None:
         v_major = exchanger.options.v_major if exchanger.slow_level is not None or exchanger.ring_remote else None
         for transformer in transformers:
             families.install(transformer, exchanger, v_major)
+        calls.bind(pipe, families.clocks(transformers))
         stock = sorted({name for t in transformers for name in families.stock_usp(t)})
         if uneven is not None and stock:
             fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
@@ -259,13 +260,13 @@ def _transformers(pipe) -> list:
     return [getattr(pipe, name) for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None]
 
 
-def _eager_transformers(model, _) -> list:
-    return [] if model.config.use_torch_compile else _transformers(model.pipe)
+def _eager_transformers(model, _) -> tuple:
+    return model.pipe, [] if model.config.use_torch_compile else _transformers(model.pipe)
 
 
 def _adapting_before_compile(original):
     def _compile_model(self, *args, **kwargs):
-        _adapt(_transformers(self.pipe))
+        _adapt(self.pipe, _transformers(self.pipe))
         return original(self, *args, **kwargs)
 
     return _compile_model
@@ -285,4 +286,4 @@ def patch_runner_base_model(module: types.ModuleType) -> None:
 
 def patch_base_pipeline(module: types.ModuleType) -> None:
     cls = compat.target(module, "xFuserPipelineBaseWrapper")
-    compat.wrap(cls, "_convert_transformer_backbone", lambda original: _adapting_model_after(original, lambda _, t: [t]))
+    compat.wrap(cls, "_convert_transformer_backbone", lambda original: _adapting_model_after(original, lambda wrapper, t: (wrapper, [t])))
