@@ -188,7 +188,7 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         """One configuration run on every rank (collective): its images on this rank, and its step,
         the spread of its timed calls and its blocked communication, each the slowest rank's."""
         done = generate.run_backend(args, cases, repeat, on_call=progress.tick)
-        comm, images = done["comm"], np.stack(done["images"]) if done["images"] else None
+        comm, images = done["comm"], np.stack([image for case in done["images"] for image in case]) if done["images"] else None
         timings = done["timings"]
         median = statistics.median(timings)
         # The slowest rank sets the pace: one reduction; the blocked time is the slowest rank's already.

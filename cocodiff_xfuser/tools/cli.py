@@ -6,9 +6,10 @@ import argparse
 import importlib
 import logging
 import sys
+from pathlib import Path
 
 from cocodiff_xfuser.settings import MODES
-from cocodiff_xfuser.tools import demo, quality, verify
+from cocodiff_xfuser.tools import demo, generate, quality, verify
 from cocodiff_xfuser.tools import check as check_tool
 from cocodiff_xfuser.tools import topology_cli
 from cocodiff_xfuser.tools import plan as plan_tool
@@ -34,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     verify_cmd.add_argument("--topology", default=None, help="emulated NxL[xT] (nodes x ranks per node [x tiles])")
     verify_cmd.add_argument("--steps", type=int, default=None)
     verify_cmd.add_argument("--v-first", action="store_true", help="cocodiff with V-First processors")
+    verify_cmd.add_argument("--requests", type=Path, default=None, metavar="FILE.json",
+                            help="a JSON list of requests (" + ", ".join(generate.REQUEST_KEYS) + "): cocodiff serves them "
+                            "one after another in one job, then each in a fresh job; every image must be bitwise the same")
     verify_cmd.add_argument("--timeout", type=float, default=verify.TIMEOUT_S, help="seconds per torchrun job")
     verify_cmd.add_argument("--json", action="store_true", help="print one JSON object")
 

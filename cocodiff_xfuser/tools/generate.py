@@ -3,9 +3,10 @@
 ``python -m cocodiff_xfuser.tools.generate --out DIR [--backends ulysses,cocodiff] <xdit flags>``
 runs the pipeline with the flags a user would give ``xdit`` (``--model`` may list several,
 comma-separated), once per model and backend and, with ``--cases FILE`` (a JSON list of
-``[prompt, seed]``), once per case (one process start for all of them: start-up dominates
-on small machines). On the last rank (the one xfuser saves from) it writes
-``DIR/<model>/<backend>/images.npy`` (float images in [0, 1], the cases' images in order),
+``[prompt, seed]`` or of requests, :data:`REQUEST_KEYS`), once per case (one process start for
+all of them: start-up dominates on small machines). On the last rank (the one xfuser saves from)
+it writes ``DIR/<model>/<backend>/images.npy`` (float images in [0, 1], the cases' images in
+order; where their sizes differ, ``case-<i>.npy`` per case instead),
 ``DIR/progress.json`` (pipeline calls done and due, timed runs included) as it goes, and
 ``result.json``, with what ran summed over the ranks (``ran``: exchanges per
 algorithm and label, V-First calls, fall-backs) and, under ``COCODIFF_ORDER_AUDIT=1``, every
@@ -43,6 +44,28 @@ VARIANTS = {
 }
 
 
+#: What a request may set (``cocodiff verify --requests``); the flags give the rest. ``steps`` is
+#: ``--num_inference_steps``, ``batch_size`` the prompt that many times in one pipeline call.
+REQUEST_KEYS = ("prompt", "seed", "height", "width", "steps", "guidance_scale", "batch_size")
+
+
+def case_args(case: list | dict) -> dict:
+    """The runner arguments one case sets: ``[prompt, seed]``, or a request (:data:`REQUEST_KEYS`)."""
+    if isinstance(case, list):
+        prompt, seed = case
+        return {"prompt": prompt, "seed": seed}
+    unknown = sorted(set(case) - set(REQUEST_KEYS))
+    if unknown:
+        # The tiny models are text-to-image pipelines: no input image, no strength.
+        raise ValueError(f"request {case}: {', '.join(unknown)} not among {', '.join(REQUEST_KEYS)}")
+    names = {"steps": "num_inference_steps"}
+    args = {names.get(key, key): value for key, value in case.items() if key != "batch_size"}
+    batch = int(case.get("batch_size", 1))
+    if batch > 1 and "prompt" in case:
+        args["prompt"] = [case["prompt"]] * batch
+    return args
+
+
 def output_dir(out: Path, model: str, backend: str) -> Path:
     return out / model.replace("/", "--") / backend
 
@@ -57,11 +80,11 @@ def runner_args(argv: list[str]) -> dict:
 
 def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None = None,
                 on_call: Callable[[], None] | None = None) -> dict:
-    """Generate ``cases`` (``[prompt, seed]``) through xfuser's runner configured by ``args``, on
+    """Generate ``cases`` (:func:`case_args`) through xfuser's runner configured by ``args``, on
     every rank (collective). With ``repeat``, time that many more runs of the last case (``comm``:
     their communication statistics). ``on_call`` follows every pipeline call. Returns ``runner``,
-    ``images`` (this rank's output), ``timings``, ``comm``, ``ran`` (summed over the ranks) and
-    ``launches`` (every rank's collective launches)."""
+    ``images`` (this rank's output, per case), ``timings``, ``comm``, ``ran`` (summed over the
+    ranks) and ``launches`` (every rank's collective launches)."""
     from xfuser.runner import xFuserModelRunner
 
     from cocodiff_xfuser import commstats
@@ -78,10 +101,11 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     input_args["output_type"] = "np"
     runner.initialize(input_args)
     images, timings, dynamo = [], [], [compile_counts()]
-    for prompt, seed in cases:
-        input_args.update(prompt=prompt, seed=seed)
+    flags = dict(input_args)
+    for case in cases:
+        input_args = {**flags, **case_args(case)}
         output, case_timings = runner.run(input_args)
-        images += list(output.images)
+        images.append(list(output.images))
         timings += case_timings
         dynamo.append(compile_counts())
         if on_call is not None:
@@ -89,7 +113,7 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     comm = None
     if repeat:
         output, timings, comm = _timed_runs(runner, input_args, repeat, sync_dir, on_call)
-        images = list(output.images)
+        images = [list(output.images)]
         dynamo.append(compile_counts())
     ran = commstats.sum_ran(gather(commstats.ran()))
     launches = gather(transport.launches()[launched_before:])
@@ -141,6 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     cases = json.loads(mine.cases.read_text()) if mine.cases else [[base["prompt"], base["seed"]]]
     if mine.repeat and len(cases) > 1:
         raise SystemExit("--repeat times one case; give --cases with one [prompt, seed] or no --cases")
+    try:
+        for case in cases:
+            case_args(case)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if is_last_process():
         mine.out.mkdir(parents=True, exist_ok=True)
     progress = {"done": 0, "total": len(models) * len(backends) * (len(cases) + mine.repeat)}
@@ -228,12 +257,16 @@ def _save(
     dynamo: list,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    images = np.stack([np.asarray(image) for image in images])
-    np.save(out / "images.npy", images)
+    per_case = [np.stack([np.asarray(image) for image in case]) for case in images]
+    if len({case.shape[1:] for case in per_case}) > 1:
+        for i, case in enumerate(per_case):
+            np.save(out / f"case-{i}.npy", case)
+    else:
+        np.save(out / "images.npy", np.concatenate(per_case))
     if save_png:
         from diffusers.utils import numpy_to_pil
 
-        for i, image in enumerate(numpy_to_pil(images)):
+        for i, image in enumerate(numpy_to_pil(np.concatenate([c.reshape(-1, *c.shape[-3:]) for c in per_case]))):
             image.save(out / f"image_{i}.png")
     result = {
         "model": args["model"],

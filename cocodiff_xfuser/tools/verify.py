@@ -1,4 +1,5 @@
-"""``cocodiff verify``: stock xfuser Ulysses vs the cocodiff backend, same seeds, compared."""
+"""``cocodiff verify``: stock xfuser Ulysses vs the cocodiff backend, same seeds, compared; with
+``--requests``, cocodiff serving requests one after another vs each in a fresh process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 
 from cocodiff_xfuser.comm.topology import Topology
 from cocodiff_xfuser.tools import launcher
-from cocodiff_xfuser.tools.generate import output_dir
+from cocodiff_xfuser.tools.generate import case_args, output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 
 REFERENCE = "stock-ulysses"
@@ -154,6 +155,60 @@ def verify(run: Run, timeout: float = TIMEOUT_S, workdir: Path | None = None) ->
     }
 
 
+def _served(run: Run, requests: list[dict], out: Path, timeout: float) -> tuple[list[np.ndarray], dict]:
+    """``requests`` served by cocodiff in one job, in order: each one's images and what ran (summed
+    over the ranks)."""
+    out.mkdir(parents=True)
+    (out / "requests.json").write_text(json.dumps(requests))
+    launcher.torchrun(run.world_size, run.argv(("cocodiff",), out) + ["--cases", str(out / "requests.json")], timeout=timeout)
+    where = output_dir(out, tiny_models.SPECS[run.model].model_id, "cocodiff")
+    result = json.loads((where / "result.json").read_text())
+    if (where / "images.npy").exists():  # every request's images of one size: one array, in order
+        images = np.load(where / "images.npy")
+        bounds = np.cumsum([0] + [int(r.get("batch_size", 1)) for r in requests])
+        return [images[a:b] for a, b in zip(bounds, bounds[1:])], result["ran"]
+    return [np.load(where / f"case-{i}.npy") for i in range(len(requests))], result["ran"]
+
+
+def verify_requests(run: Run, requests: list[dict], timeout: float = TIMEOUT_S, workdir: Path | None = None) -> dict:
+    """cocodiff serving ``requests`` one after another in one job against each request alone in a
+    fresh job: what a request gives must not depend on what was served before it (every V-Major
+    cache, step count and agreement belongs to its own pipeline call)."""
+    run.check()
+    for request in requests:
+        case_args(request)
+    tiny_models.ensure_fixture(run.model)
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        together, ran = _served(run, requests, Path(tmp) / "together", timeout)
+        alone = [_served(run, [request], Path(tmp) / f"alone-{i}", timeout) for i, request in enumerate(requests)]
+    rows = [{"request": request, **compare(fresh[0], served), "image_shape": list(served.shape), "ran": fresh_ran}
+            for request, served, (fresh, fresh_ran) in zip(requests, together, alone)]
+    return {
+        "model": run.model,
+        "ulysses_degree": run.ulysses_degree,
+        "ring_degree": run.ring_degree,
+        "topology": run.topology,
+        "world_size": run.world_size,
+        "flags": list(run.extra) + (["--cocodiff_v_first"] if run.v_first else []),
+        "requests": rows,
+        "bitwise_equal": all(row["bitwise_equal"] for row in rows),
+        "ran": ran,  # the job that served them all, summed over the ranks
+    }
+
+
+def format_requests(report: dict) -> str:
+    lines = [f"{report['model']}: ulysses {report['ulysses_degree']} x ring {report['ring_degree']} (topology "
+             f"{report['topology'] or 'detected'}), {' '.join(report['flags']) or 'cocodiff'}: {len(report['requests'])} "
+             f"requests served in one job vs each in a fresh job"]
+    for i, row in enumerate(report["requests"]):
+        verdict = "bitwise equal" if row["bitwise_equal"] else f"DIFFERENT (max abs diff {row['max_abs_diff']:.3g})"
+        lines.append(f"  {i}: {json.dumps(row['request'])} -> images {row['image_shape']}: {verdict}")
+    ran = report["ran"]
+    lines.append(f"  ran: exchanges {ran['exchanges']}, V-Major sparse exchanges {ran['v_major_sparse'] or 'none'}, "
+                 f"fall-backs {ran['fallbacks'] or 'none'}")
+    return "\n".join(lines)
+
+
 def format_report(report: dict) -> str:
     ran = report["ran"]["cocodiff"]
     if report["reference"] != REFERENCE:
@@ -186,6 +241,16 @@ def main(args, extra: Sequence[str] = ()) -> int:
         v_first=args.v_first,
         extra=tuple(extra),
     )
+    if args.requests is not None:
+        try:
+            requests = json.loads(args.requests.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--requests {args.requests}: {e}") from None
+        if not isinstance(requests, list) or not all(isinstance(r, dict) for r in requests):
+            raise ValueError(f"--requests {args.requests}: expected a JSON list of request objects")
+        report = verify_requests(run, requests, timeout=args.timeout)
+        print(json.dumps(report) if args.json else format_requests(report))
+        return 0 if report["bitwise_equal"] else 1
     report = verify(run, timeout=args.timeout)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report.get("bitwise_equal") or report.get("within_tolerance") else 1

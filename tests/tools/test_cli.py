@@ -36,6 +36,32 @@ def test_verify_json_reports_bitwise_equality_and_what_ran():
     assert ours["v_first_calls"] == 2 * 4 * 4  # ranks x attention modules x steps
 
 
+#: Resolutions, step counts, guidance on and off, and a batch of 2, served one after another.
+REQUESTS = [
+    {"prompt": "a cat", "seed": 1, "height": 64, "width": 64, "steps": 4},
+    {"prompt": "a dog", "seed": 2, "height": 48, "width": 64, "steps": 6, "guidance_scale": 1.0},
+    {"prompt": "a cow", "seed": 3, "height": 64, "width": 64, "steps": 4, "batch_size": 2},
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_requests_served_one_after_another_give_a_fresh_jobs_images(tmp_path):
+    """U2 x R2 over four nodes: V-Major on the Ulysses exchanges and on the ring. Each request served
+    after others gives, bitwise, what it gives alone in a fresh job."""
+    (tmp_path / "requests.json").write_text(json.dumps(REQUESTS))
+    result = _cocodiff("verify", "--requests", str(tmp_path / "requests.json"), "--model", "tiny-flux", "--ulysses-degree",
+                       "2", "--ring-degree", "2", "--topology", "4x1", "--json", "--cocodiff-v-major", "on", timeout=840)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [row["request"] for row in report["requests"]] == REQUESTS
+    assert all(row["bitwise_equal"] for row in report["requests"]) and report["bitwise_equal"], report["requests"]
+    assert [row["image_shape"][:3] for row in report["requests"]] == [[1, 64, 64], [1, 48, 64], [2, 64, 64]]
+    for ran in [report["ran"]] + [row["ran"] for row in report["requests"]]:
+        assert ran["v_major_sparse"].get("qk+v", 0) > 0 and ran["exchanges"].get("ring v-major", 0) > 0, ran
+        assert not ran["fallbacks"], ran
+
+
 @pytest.mark.distributed
 def test_demo_shows_every_digit_bitwise_equal(tmp_path):
     result = _cocodiff("demo", "--out", str(tmp_path), "--no-cluster")
@@ -91,6 +117,7 @@ def test_unknown_model_is_rejected_by_the_cli():
         (("verify", "--model", "tiny-flux", "--ulysses-degree", "3", "--ring-degree", "2"), "ring degree 1 only"),
         (("verify", "--model", "tiny-flux", "--ulysses-degree", "4", "--topology", "3x2"), "world size"),
         (("quality", "--ulysses-degree", "3"), "not divisible by ulysses degree 3"),
+        (("verify", "--model", "tiny-flux", "--ulysses-degree", "2", "--requests", "/nonexistent.json"), "--requests"),
     ],
 )
 @pytest.mark.distributed

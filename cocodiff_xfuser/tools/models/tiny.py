@@ -560,8 +560,9 @@ def _runner_class(spec: TinySpec, base_model) -> type:
             if spec.runner_sets_input:
                 from xfuser.core.distributed import get_pipeline_parallel_world_size, get_runtime_state
 
+                prompt = input_args["prompt"]
                 get_runtime_state().set_input_parameters(
-                    batch_size=1,
+                    batch_size=len(prompt) if isinstance(prompt, list) else 1,
                     num_inference_steps=input_args["num_inference_steps"],
                     max_condition_sequence_length=spec.text_len,
                     split_text_embed_in_sp=get_pipeline_parallel_world_size() == 1,
