@@ -225,9 +225,11 @@ def patch_attention_backends(ab: types.ModuleType) -> None:
     compat.target(ab, "ATTENTION_FUNCTION_REGISTRY")[compat.target(ab.AttentionBackendType, "SDPA_FLASH")] = cpu_flash_attention
 
 
-#: xfuser 0.7.0 modules whose run builds its random generator on "cuda": the example pipelines'
-#: warm-up (``prepare_run``) and the runner models' ``_run_pipe``.
+#: xfuser 0.7.0 modules whose run builds its random generator on "cuda" (the example pipelines'
+#: warm-up, ``prepare_run``, and the runner models' ``_run_pipe``) or a tensor on CUDA's current
+#: device (the step cache's agreement on skipping a step, ``--cache_method dbcache``).
 CUDA_GENERATORS = (
+    "xfuser.model_executor.cache.adapters.cache_dit",
     "xfuser.model_executor.pipelines.pipeline_flux",
     "xfuser.model_executor.pipelines.pipeline_flux2",
     "xfuser.model_executor.pipelines.pipeline_flux_control",
@@ -255,10 +257,26 @@ CUDA_ONLY_RUNNERS = {
 }
 
 
+class _PlatformCuda(types.ModuleType):
+    """``torch.cuda`` as a module of :data:`CUDA_GENERATORS` sees it: the current device is the
+    platform's; every other name is torch's own."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        plat = detect()
+        return plat.device(getattr(torch, plat.name).current_device() if plat.name != "cpu" else 0)
+
+
 class _PlatformTorch(types.ModuleType):
     """``torch`` as a module of :data:`CUDA_GENERATORS` sees it: a generator asked for on "cuda" is
-    built on the platform's device; every other name is torch's own. The module's code runs as
-    xfuser wrote it (a copy of each caller would drift from xfuser's arguments)."""
+    built on the platform's device, and CUDA's current device is the platform's; every other name is
+    torch's own. The module's code runs as xfuser wrote it (a copy of each caller would drift from
+    xfuser's arguments)."""
+
+    cuda = _PlatformCuda("torch.cuda")
 
     def __getattr__(self, name: str):
         return getattr(torch, name)

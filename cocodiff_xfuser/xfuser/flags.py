@@ -101,6 +101,14 @@ def options(runtime_config) -> Options:
     given = {key: value for key, value in given.items() if value is not None}
     given.setdefault("timeout_s", faults.default_timeout_s())
     v_major = v_major_settings(runtime_config)
+    if getattr(runtime_config, "use_fp8_comms", False):
+        # xfuser's fp8 communication lives in its own attention processors (V-First falls back to them).
+        if v_major is not None:
+            raise ValueError("--use_fp8_comms with --cocodiff-v-major: xfuser's fp8 communication runs in its own attention "
+                             "processors, which V-Major replaces with cocodiff's; choose one")
+        if given.get("compress", "none") != "none":
+            raise ValueError(f"--use_fp8_comms with --cocodiff-compress {given['compress']}: both compress the Ulysses "
+                             "exchanges; choose one")
     # V-Major implies V-First.
     return Options(**{**given, "v_first": bool(given.get("v_first")) or v_major is not None}, v_major=v_major)
 

@@ -42,6 +42,7 @@ def launch_error(cli: types.ModuleType, argv: list[str]) -> str | None:
     torchrun, runner_args = cli.extract_torchrun_args(argv)
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
     flags.add_backend_args(parser)
+    parser.add_argument("--use_fp8_comms", "--use-fp8-comms", action="store_true")  # xfuser's, read beside cocodiff's
     try:
         given, _ = parser.parse_known_args(runner_args)
         flags.options(given)

@@ -517,11 +517,26 @@ def reference_images(
     return np.stack([np.asarray(image) for image in _images(spec, output)])
 
 
+def _xfuser_flux() -> type:
+    """xfuser's runner model of FLUX.1-dev."""
+    from xfuser.model_executor.models.runner_models.flux import xFuserFluxModel
+
+    assert xFuserFluxModel.capabilities.supports_step_caching and xFuserFluxModel.capabilities.use_fp8_comms
+    return xFuserFluxModel
+
+
 def _runner_class(spec: TinySpec, base_model) -> type:
     """An xfuser runner model (``xFuserModel`` subclass) for one tiny spec."""
 
+    # The FLUX-architecture models declare what xfuser's own FLUX runner does: step caching (its
+    # methods and presets) and fp8 communication.
+    flux = _xfuser_flux() if spec.pipeline == "FluxPipeline" else None
+
     class TinyRunner(base_model.xFuserModel):
-        capabilities = base_model.ModelCapabilities(use_cfg_parallel=True, pipefusion_parallel_degree=PIPEFUSION)
+        capabilities = base_model.ModelCapabilities(
+            use_cfg_parallel=True, pipefusion_parallel_degree=PIPEFUSION,
+            **({} if flux is None else {"supports_step_caching": True, "use_fp8_comms": True}),
+        )
         default_input_values = base_model.DefaultInputValues(
             height=spec.height,
             width=spec.width,
@@ -534,6 +549,7 @@ def _runner_class(spec: TinySpec, base_model) -> type:
             model_name=str(fixture_path(spec.name)),
             output_name=spec.name.replace("-", "_"),
             model_output_type="image",
+            step_cache_config=None if flux is None else flux.settings.step_cache_config,
         )
 
         def _load_model(self):
