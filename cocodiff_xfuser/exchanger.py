@@ -31,6 +31,7 @@ from cocodiff_xfuser.comm.agreement import agree, from_first
 from cocodiff_xfuser.comm.autotune import AutoAllToAll, Registry
 from cocodiff_xfuser.comm.flat import AllToAllHandle
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
+from cocodiff_xfuser.layout import Layout
 from cocodiff_xfuser.settings import Options
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -97,21 +98,20 @@ class Exchanger:
         self.rank = dist.get_rank()
         self._group_desc = f"group {dist.get_process_group_ranks(group)}"  # for the one-line fault report
         faults.set_timeout(options.timeout_s)
-        # Collective over the world: every rank learns every Ulysses group, resolves the same
-        # topology and creates the same sub-groups in the same order.
-        groups: list[list[int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-        transport.launched(None, "all_gather_object")
-        dist.all_gather_object(groups, dist.get_process_group_ranks(group))
         # Statistics calibrate by waiting for V at once, which changes the launch order; device
         # semantics change the order inside every batch.
         agree(commstats.enabled(), "COCODIFF_COMM_STATS")
         agree(transport.device_semantics(), transport.DEVICE_SEMANTICS_ENV)
         self.topology = _resolve_agreed(options.topology)
+        # Collective over the world: every rank learns every Ulysses group and ring, and creates the
+        # same sub-groups in the same order.
+        self.layout = Layout.gather(self.topology, group, ring_group)
+        groups = [list(g) for g in self.layout.ulysses_groups]
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
-        self._slow_share = _slow_link_share(self.topology, dist.get_process_group_ranks(group), self.rank)
+        self._slow_share = self.layout.slow_share
         # The ring ranks on other nodes than this rank's: each receives its K/V over the slow links.
-        self.ring_remote = () if ring_group is None else _remote_members(self.topology, transport.group_ranks(ring_group), self.rank)
+        self.ring_remote = self.layout.ring_remote
         # V-Major on the ring of the transformer that runs (:class:`~cocodiff_xfuser.vmajor.ring.Ring`,
         # set as each transformer call starts), or None: the ring's K/V are gathered exactly.
         self.ring_v_major = None
@@ -395,19 +395,6 @@ class RingRotater:
     def next_buffer(self) -> torch.Tensor:
         me, _ = transport.group_info(self._group)
         return self._gather.wait()[me - self._step]  # negative: wraps around the ring, as torch's chunk index does
-
-
-def _slow_link_share(topology: topo.Topology, group_ranks: list[int], rank: int) -> float:
-    """The share of an equal-split exchange that ``rank`` sends over the topology's outermost
-    level (nodes): to the group members on other nodes."""
-    return len(_remote_members(topology, group_ranks, rank)) / len(group_ranks)
-
-
-def _remote_members(topology: topo.Topology, group_ranks: Sequence[int], rank: int) -> tuple[int, ...]:
-    """The group ranks (positions in ``group_ranks``) on other nodes than ``rank``'s."""
-    node, _ = topology.nodes_and_lanes(list(group_ranks))
-    mine = node[list(group_ranks).index(rank)]
-    return tuple(j for j, n in enumerate(node) if n != mine)
 
 
 def _resolve_agreed(spec: str | None) -> topo.Topology:

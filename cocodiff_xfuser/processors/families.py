@@ -125,7 +125,7 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
     clock = transformer.__dict__.get("_cocodiff_clock")
     if clock is None:
         # The ring's counts must be known to ring peers in every Ulysses group: agreed over the world.
-        group = None if exchanger.ring_remote else exchanger.group
+        group = None if exchanger.layout.clock_spans_world else exchanger.group
         # Auto may hand steps to xfuser's processors, unless heads padded to the degree need ours.
         stock = padding.required() is None
         clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, group, settings, stock)

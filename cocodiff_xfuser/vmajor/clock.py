@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import timing, transport
+from cocodiff_xfuser.comm.agreement import agree
 from cocodiff_xfuser.settings import VMajorSettings
 from cocodiff_xfuser.vmajor.state import Budget
 
@@ -186,6 +187,7 @@ class Clock:
         self.current: Call | None = None
         self.calls = 0  # pipeline calls opened so far
         self.budget_warned = False  # the one log line for the job
+        self._layers_agreed = False
         # Auto's speed check from step ``trial_from`` over ``arms`` (None: none), until it decides;
         # ``off``: it found V-Major's steps not faster, and every exchange is exact for the rest of
         # the job; ``stock``: it found V-First's not faster either, and xfuser's processors take over.
@@ -212,6 +214,11 @@ class Clock:
             return
         t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
         if call.tick(t):
+            if call.needed and not self._layers_agreed:
+                # The layers size the shares' all-reduce (ring layers join in the first call): agreed
+                # once, before its first launch (which the same steps and layers launch on every rank).
+                agree(self.layers, "the number of layers carrying V-Major", self.agreement_group())
+                self._layers_agreed = True
             call.agree_shares(self.layers, self.agreement_group())
         if self.trial is not None and call.branch == 0:
             device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")

@@ -377,3 +377,21 @@ def test_a_v_major_knob_its_policy_does_not_read_is_one_line(tmp_path):
     assert settings(v_major="on", v_major_policy="threshold", v_major_threshold=0.3, v_major_metric="l1").rule.threshold == 0.3
     assert settings(v_major="on", v_major_policy="top-k", v_major_fraction=0.3, v_major_warmup_steps=1).rule.fraction == 0.3
     assert settings(v_major="auto", v_major_if_slower="keep").if_slower == "keep"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_an_uneven_layout_is_refused_in_one_line(tmp_path):
+    """Ulysses 2 x ring 3 on two nodes of three: the Ulysses group of ranks 2 and 3 spans nodes, the
+    others do not. Found by the ranks (from xfuser's groups): one line from rank 0, no rank's traceback."""
+    xdit = os.path.join(os.path.dirname(sys.executable), "xdit")
+    result = subprocess.run(
+        [xdit, "--model", "cocodiff/tiny-flux", "--ulysses_degree", "2", "--ring_degree", "3", "--sp-backend", "cocodiff",
+         "--cocodiff-topology", "2x3", "--prompt", "a cat", "--master_port", "29531"],
+        capture_output=True, text=True, timeout=280, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("cocodiff: uneven layout on topology 2x3") == 1, output[-3000:]
+    assert "Ulysses groups [2, 3] span nodes, [0, 1], [4, 5] do not" in output
+    assert "]: Traceback" not in output, output[-3000:]  # torchrun's own report aside
