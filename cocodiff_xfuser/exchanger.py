@@ -7,19 +7,17 @@ exchange (xfuser's routed all-to-all, V-First's input and output exchanges, V-Ma
 fp8 on every link or only the slow ones) starts through :meth:`Exchanger.start`,
 :meth:`~Exchanger.start_heads` or :meth:`~Exchanger.start_sparse` and returns an :class:`Exchange`
 (``advance``, ``wait``); under ring attention, the ring's K/V too (:meth:`~Exchanger.ring_rotater`:
-torch's rotater protocol, each exchange through :meth:`~Exchanger.start_ring`). The Ulysses layouts are written here too: head blocks once, in the order
-the chosen exchange sends them (:func:`heads`), and read back (:func:`sequence`). This module knows
-nothing about how it is wired in.
+torch's rotater protocol, each exchange through :meth:`~Exchanger.start_ring`). The input exchange's
+head blocks are written once, in the order the chosen exchange sends them
+(:mod:`cocodiff_xfuser.ulysses_layout`). This module knows nothing about how it is wired in.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,19 +25,16 @@ import torch.distributed as dist
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import compress, faults, ring, sparse, transport
 from cocodiff_xfuser.comm import topology as topo
-from cocodiff_xfuser.comm.agreement import agree, from_first
-from cocodiff_xfuser.comm.autotune import AutoAllToAll, Registry
+from cocodiff_xfuser.comm.agreement import agree
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, DecisionsFile, Registry
 from cocodiff_xfuser.comm.flat import AllToAllHandle
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.layout import Layout
 from cocodiff_xfuser.settings import Options
+from cocodiff_xfuser.ulysses_layout import heads
 
 logger = logging.getLogger("cocodiff_xfuser")
 T = TypeVar("T")
-
-# A JSON file of autotune decisions: loaded at activation when it exists, written at exit.
-DECISIONS_ENV = "COCODIFF_A2A_DECISIONS"
-
 
 class Exchange:
     """An exchange in flight, whichever algorithm runs it: ``advance`` launches its next phase,
@@ -130,8 +125,8 @@ class Exchanger:
         self._pending: list[Exchange] = []
         self.closed = False
         # What decisions are only valid for (kept: at exit the process groups may be gone).
-        self._provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
-        self._decisions_file = self._load_decisions()
+        provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
+        self.decisions = DecisionsFile(self.autotune, provenance)
 
     def _slow_level(self, groups: list[list[int]], user: str) -> sparse.SlowLevel | None:
         """Where the sparse exchanges of ``user`` (V-Major, or fp8-slow) cross nodes (collective:
@@ -142,38 +137,6 @@ class Exchanger:
                 commstats.count_fallback(f"{user.lower()}: no slow level")
             return None
         return level
-
-    def _load_decisions(self) -> str | None:
-        """Rank 0's ``$COCODIFF_A2A_DECISIONS`` and its contents, on every rank (so every rank skips
-        the same measurements, even where the file is on storage only some ranks see)."""
-        path, data, error = os.environ.get(DECISIONS_ENV) if self.rank == 0 else None, None, None
-        if path and os.path.exists(path):
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-            except (OSError, ValueError) as e:
-                error = f"{DECISIONS_ENV}={path}: cannot read it ({e})"
-        path, data, error = from_first((path, data, error))
-        if error is not None:
-            raise ValueError(error)
-        if data is None:
-            return path
-        measured_on = {key: data.get(key) for key in self._provenance}
-        if measured_on != self._provenance:
-            raise ValueError(
-                f"{DECISIONS_ENV}={path} was measured on {measured_on}, this job is "
-                f"{self._provenance}; remove the file or point {DECISIONS_ENV} elsewhere"
-            )
-        self.autotune.load_dict(data)
-        logger.info("cocodiff: all-to-all decisions loaded from %s", path)
-        return path
-
-    def save_decisions(self) -> None:
-        """Rank 0 writes the autotune decisions to ``$COCODIFF_A2A_DECISIONS`` (a cost model reads them)."""
-        if self._decisions_file and self.rank == 0:
-            text = json.dumps(self.autotune.to_dict() | self._provenance, indent=2)
-            with open(self._decisions_file, "w") as f:
-                f.write(text)
 
     def _choose(self, x: torch.Tensor) -> str:
         if self.autotune.measures(x, self.group):
@@ -336,10 +299,10 @@ class Exchanger:
         out = self.finish(lambda: self.autotune.run(algorithm, flat, self.group), label, algorithm)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 
-    def ring_rotater(self, group: dist.ProcessGroup, row: int | None = None) -> RingRotater:
-        """torch's ring-attention rotater for ``group`` (the ring group), through this exchanger
+    def ring_rotater(self, group: dist.ProcessGroup, row: int | None = None) -> ring.Rotater:
+        """torch's ring-attention rotater for ``group`` (the ring group), its gather started here
         (``row``: the elements of one token of K and of V, where they are alike)."""
-        return RingRotater(self, group, row)
+        return ring.Rotater(group, lambda buffer: self.start_ring(buffer, group, row))
 
     @torch.compiler.disable
     def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup, row: int | None = None) -> Exchange:
@@ -377,26 +340,6 @@ class Exchanger:
         )
 
 
-class RingRotater:
-    """torch's ring-attention rotater protocol (``exchange_buffers``, ``next_buffer``) over the
-    exchanger: like torch's default, the first buffer is all-gathered once (:meth:`Exchanger.start_ring`)
-    and step ``i`` reads ring rank ``rank - i``'s block, so attention sees the bytes it would."""
-
-    def __init__(self, exchanger: Exchanger, group: dist.ProcessGroup, row: int | None) -> None:
-        self._exchanger, self._group, self._row = exchanger, group, row
-        self._gather: Exchange | None = None
-        self._step = 0
-
-    def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
-        self._step += 1
-        if self._gather is None:
-            self._gather = self._exchanger.start_ring(curr_buffer, self._group, self._row)
-
-    def next_buffer(self) -> torch.Tensor:
-        me, _ = transport.group_info(self._group)
-        return self._gather.wait()[me - self._step]  # negative: wraps around the ring, as torch's chunk index does
-
-
 def _resolve_agreed(spec: str | None) -> topo.Topology:
     """The topology, the same on every rank: a failure on some ranks only (their environment, a
     preset missing on their host) is an error on all of them, naming a rank that differs."""
@@ -409,37 +352,3 @@ def _resolve_agreed(spec: str | None) -> topo.Topology:
     if topology is None:
         raise ValueError(outcome)
     return topology
-
-
-def heads(tensors: Sequence[torch.Tensor], levels: Sequence[int], layout: Sequence[int]) -> torch.Tensor:
-    """Same-shaped ``[b, h, s, d]`` tensors as one contiguous ``[*levels in layout order, n, b, h/W, s, d]``.
-
-    The Ulysses input exchange sends head block g of every tensor to group rank g. xfuser builds its
-    destination-major input with ``torch.stack`` and ``permute(...).contiguous()`` (two passes over
-    the data), and TAPA's first phase would then re-block it by the innermost topology level (a
-    third); this writes each tensor once, straight into the order the chosen exchange sends.
-    ``levels``: the group's topology levels (outermost first, product W; ``(W,)`` for a flat
-    exchange), the destination rank ``g = ravel(g_0, ...)`` owning head block g; ``layout``: the
-    memory order of the level dims (``0, 1, ...`` is destination-major, xfuser's order; TAPA's
-    first phase: :meth:`~cocodiff_xfuser.comm.tapa.HierarchicalAllToAll.input_layout`). The copy is
-    counted (:func:`cocodiff_xfuser.commstats.ran`, ``copied_bytes``).
-    """
-    b, h, s, d = tensors[0].shape
-    world, k = int(torch.Size(levels).numel()), len(levels)
-    out = tensors[0].new_empty([levels[j] for j in layout] + [len(tensors), b, h // world, s, d])
-    for i, t in enumerate(tensors):
-        # [b, h, s, d] -> [b, *levels, h/W, s, d] -> [*levels in layout order, b, h/W, s, d]
-        blocks = t.view(b, *levels, h // world, s, d).permute(*(1 + j for j in layout), 0, k + 1, k + 2, k + 3)
-        out.select(k, i).copy_(blocks)
-    commstats.count_copy(out.numel() * out.element_size())
-    return out
-
-
-def sequence(exchanged: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """The source-major exchange result ``[W, n, b, h/W, s, d]`` as ``n`` tensors ``[b, h/W, W*s, d]``
-    (what attention reads; the copy is counted)."""
-    world, _, b, local_heads, s, d = exchanged.shape
-    # [W, n, b, h/W, s, d] -> [n, b, h/W, W, s, d] -> [n, b, h/W, W*s, d]
-    out = exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, world * s, d)
-    commstats.count_copy(out.numel() * out.element_size())
-    return torch.unbind(out, dim=0)

@@ -42,8 +42,10 @@ must be imported on every rank.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -53,6 +55,7 @@ import torch.distributed as dist
 
 from .. import commstats
 from . import timing, transport
+from .agreement import from_first
 from .flat import AllToAllHandle, flat_all_to_all, p2p_all_to_all, p2p_reason, start_flat_all_to_all, start_p2p_all_to_all
 from .pxn import PxnAllToAll
 from .tapa import HierarchicalAllToAll
@@ -385,3 +388,45 @@ def pick(ratios: Mapping[str, Sequence[float]], margin: float, reference: str = 
         if fastest >= qualified[key] * (1 - margin):
             return key
     raise AssertionError("unreachable: the fastest candidate qualifies")
+
+
+# A JSON file of autotune decisions: loaded at activation when it exists, written at exit.
+DECISIONS_ENV = "COCODIFF_A2A_DECISIONS"
+
+
+class DecisionsFile:
+    """``$COCODIFF_A2A_DECISIONS``: rank 0's file of decisions, loaded into ``autotune`` on every rank
+    (so every rank skips the same measurements, even where the file is on storage only some ranks
+    see; collective over the world) and written by rank 0 at :meth:`save`. A file measured elsewhere
+    than ``provenance`` (topology, backend, world size) is refused."""
+
+    def __init__(self, autotune: AutoAllToAll, provenance: dict[str, Any]) -> None:
+        self._autotune, self._provenance = autotune, provenance
+        self._rank = dist.get_rank()
+        path, data, error = os.environ.get(DECISIONS_ENV) if self._rank == 0 else None, None, None
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as e:
+                error = f"{DECISIONS_ENV}={path}: cannot read it ({e})"
+        self.path, data, error = from_first((path, data, error))
+        if error is not None:
+            raise ValueError(error)
+        if data is None:
+            return
+        measured_on = {key: data.get(key) for key in provenance}
+        if measured_on != provenance:
+            raise ValueError(
+                f"{DECISIONS_ENV}={self.path} was measured on {measured_on}, this job is "
+                f"{provenance}; remove the file or point {DECISIONS_ENV} elsewhere"
+            )
+        autotune.load_dict(data)
+        logger.info("cocodiff: all-to-all decisions loaded from %s", self.path)
+
+    def save(self) -> None:
+        """Rank 0 writes the decisions (a cost model reads them)."""
+        if self.path and self._rank == 0:
+            text = json.dumps(self._autotune.to_dict() | self._provenance, indent=2)
+            with open(self.path, "w") as f:
+                f.write(text)

@@ -15,7 +15,7 @@ step residuals of the K/V they already hold); the caller turns those messages in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -58,3 +58,25 @@ class RingGather:
     def wait(self) -> torch.Tensor:
         self._done.wait()
         return self._out.view(self._dtype)
+
+
+class Rotater:
+    """torch's ring-attention rotater protocol (``exchange_buffers``, ``next_buffer``) over one
+    gather per attention call: like torch's default, the first buffer is all-gathered once
+    (``start(buffer)``: a handle whose ``wait`` gives ``[ring size, n]``, a :class:`RingGather` or
+    what wraps one) and step ``i`` reads ring rank ``rank - i``'s block, so attention sees the bytes
+    it would."""
+
+    def __init__(self, group: Any, start: Callable[[torch.Tensor], Any]) -> None:
+        self._group, self._start = group, start
+        self._gather: Any = None
+        self._step = 0
+
+    def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
+        self._step += 1
+        if self._gather is None:
+            self._gather = self._start(curr_buffer)
+
+    def next_buffer(self) -> torch.Tensor:
+        me, _ = transport.group_info(self._group)
+        return self._gather.wait()[me - self._step]  # negative: wraps around the ring, as torch's chunk index does

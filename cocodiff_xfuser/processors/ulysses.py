@@ -24,7 +24,8 @@ from cocodiff_xfuser import commstats, compat, padding
 from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
-from cocodiff_xfuser.exchanger import Exchanger, heads, sequence
+from cocodiff_xfuser.exchanger import Exchanger
+from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.vmajor import policy
 from cocodiff_xfuser.vmajor.clock import Clock
 

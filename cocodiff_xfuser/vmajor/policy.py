@@ -63,41 +63,49 @@ class Layer:
                 commstats.count_fallback("v-major: cache budget")
                 return Step(self, None, None)
             caches = call.caches[key] = Caches(tuple(v.shape))
-        step, s = call.step, v.shape[4]
-        reference = caches.reference.get("v")
-        ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
-        if isinstance(settings.rule, Budget) and reference is not None:
-            share, ranked = share_needed(squared_change(v, reference), v, settings.rule.error)
-            clock.need(self.index, share)
-        k = None if reference is None else count(settings, clock, self.index, step, s)
-        if (
-            step < settings.warmup_steps
-            or (isinstance(settings.rule, Budget) and clock.shares_now() is None)  # nothing measured yet
-        ):
-            k = s
         residual = settings.residual
-        if k is not None and residual is not None and sparse.whole_is_smaller(k, s, _row_bytes(v, residual)):
-            k = s  # every token, without indices, is no more bytes
-        exact = (
-            reference is None
-            or (settings.refresh_every and step % settings.refresh_every == 0)
-            or (k is not None and k >= s and residual is None)  # every token as values: the exact exchange is smaller
-        )
-        if exact:
-            commstats.count_v_major(step, self.index, s, s)
-            return Step(self, caches, None)
-        if k is not None and k >= s:  # every token, as residuals: in order, so no index travels
-            active = torch.arange(s, device=v.device)
-        else:
-            # Ranked by change over all but batch and token.
-            active = ranked[s - k:] if ranked is not None else select(settings.rule, v, reference, k, dims=(0, 1, 3, 5))
-        commstats.count_v_major(step, self.index, active.numel(), s)
-        # Every rank's count: fixed by the policy and the step, or (threshold) agreed here, at V's
-        # exchange, the same program point on every rank; Q/K's and the output's reuse it.
-        world = v.shape[0]
-        fixed = not isinstance(settings.rule, Threshold)
-        selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, self.group if self.group is not None else clock.agreement_group())
-        return Step(self, caches, active, selection)
+        # Ranked by change over all but batch and token (dim 4 of [W, 1, b, h/W, s, d]).
+        selection = decide(self, v, caches.reference.get("v"), 4, (0, 1, 3, 5), _row_bytes(v, residual) if residual else 0,
+                           self.group if self.group is not None else clock.agreement_group(), v.shape[0])
+        return Step(self, caches, None if selection is None else selection.active, selection)
+
+
+def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_dim: int, select_dims: tuple[int, ...],
+           token_bytes: int, group: Any, world: int) -> sparse.Selection | None:
+    """The one V-Major decision of a layer call, Ulysses (:class:`Layer`) or ring
+    (:class:`~cocodiff_xfuser.vmajor.ring.RingLayer`), at its clock's current step: None for the
+    exact exchange (every token, as values: the first step, a refresh, or every token being no more
+    bytes), else this rank's active tokens of ``x`` along ``token_dim`` (ranked over ``select_dims``)
+    and every rank's count over ``group`` of ``world`` ranks: fixed by the policy and the step, or
+    (threshold) agreed here, at V's or the ring's exchange, the same program point on every rank
+    (the layer's other exchanges reuse it). ``token_bytes``: one token's row in the residual dtype."""
+    settings, clock, index = layer.settings, layer.clock, layer.index
+    step, tokens = clock.current.step, x.shape[token_dim]
+    ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
+    if isinstance(settings.rule, Budget) and reference is not None:
+        share, ranked = share_needed(squared_change(x, reference, token_dim), x, settings.rule.error)
+        clock.need(index, share)
+    k = None if reference is None else count(settings, clock, index, step, tokens)
+    if step < settings.warmup_steps or (isinstance(settings.rule, Budget) and clock.shares_now() is None):
+        k = tokens  # warm-up, or nothing measured yet
+    residual = settings.residual
+    if k is not None and residual is not None and sparse.whole_is_smaller(k, tokens, token_bytes):
+        k = tokens  # every token, without indices, is no more bytes
+    if (
+        reference is None
+        or (settings.refresh_every and step % settings.refresh_every == 0)
+        or (k is not None and k >= tokens and residual is None)  # every token as values: the exact exchange is smaller
+    ):
+        commstats.count_v_major(step, index, tokens, tokens)
+        return None
+    if k is not None and k >= tokens:  # every token, as residuals: in order, so no index travels
+        active = torch.arange(tokens, device=x.device)
+    else:
+        active = ranked[tokens - k:] if ranked is not None else select(settings.rule, x, reference, k, dims=select_dims)
+    commstats.count_v_major(step, index, active.numel(), tokens)
+    if isinstance(settings.rule, Threshold):
+        return sparse.agree_counts(active, group)
+    return sparse.Selection.fixed(active, world)
 
 
 
@@ -135,9 +143,9 @@ def select(rule: Any, x: torch.Tensor, reference: torch.Tensor, k: int | None, d
     return change.topk(k).indices
 
 
-def squared_change(v: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """Per token, ``||v - reference||^2`` over everything else (batch included): ``[s]``."""
-    return (v - reference).float().square().sum(dim=(0, 1, 2, 3, 5))
+def squared_change(v: torch.Tensor, reference: torch.Tensor, token_dim: int = 4) -> torch.Tensor:
+    """Per token (along ``token_dim``), ``||v - reference||^2`` over everything else (batch included): ``[s]``."""
+    return (v - reference).float().square().sum(dim=tuple(d for d in range(v.dim()) if d != token_dim))
 
 
 def share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> tuple[torch.Tensor, torch.Tensor]:

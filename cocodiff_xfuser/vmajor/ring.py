@@ -27,9 +27,9 @@ import torch
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residuals, sparse, transport
 from cocodiff_xfuser.comm.ring import Remote
-from cocodiff_xfuser.settings import Budget, Threshold, VMajorSettings
+from cocodiff_xfuser.settings import VMajorSettings
 from cocodiff_xfuser.vmajor.clock import Clock
-from cocodiff_xfuser.vmajor.policy import count, select, share_needed
+from cocodiff_xfuser.vmajor.policy import decide
 
 
 class Ring:
@@ -95,33 +95,12 @@ class RingLayer:
                 commstats.count_fallback("v-major: cache budget")
                 return None
             caches = call.caches[key] = _Caches()
-        step, tokens = call.step, x.shape[1]
         reference, residual = caches.reference, settings.residual
-        ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
-        if isinstance(settings.rule, Budget) and reference is not None:
-            share, ranked = share_needed((x - reference).float().square().sum(dim=(0, 2)), x, settings.rule.error)
-            clock.need(self.index, share)
-        k = None if reference is None else count(settings, clock, self.index, step, tokens)
-        if step < settings.warmup_steps or (isinstance(settings.rule, Budget) and clock.shares_now() is None):
-            k = tokens
-        if k is not None and residual is not None and sparse.whole_is_smaller(k, tokens, _token_bytes(x, residual)):
-            k = tokens  # every token, without indices, is no more bytes
-        if (
-            reference is None
-            or (settings.refresh_every and step % settings.refresh_every == 0)
-            or (k is not None and k >= tokens and residual is None)  # every token as values: the exact gather
-        ):
-            commstats.count_v_major(step, self.index, tokens, tokens)
-            return RingStep(caches, x, ring.remote, None, None, residual)
-        if k is not None and k >= tokens:
-            active = torch.arange(tokens, device=x.device)  # every token, in order: no index travels
-        else:
-            active = ranked[tokens - k:] if ranked is not None else select(settings.rule, x, reference, k, dims=(0, 2))
-        commstats.count_v_major(step, self.index, active.numel(), tokens)
         world = transport.group_info(ring.group)[1]
-        fixed = not isinstance(settings.rule, Threshold)
-        selection = sparse.Selection.fixed(active, world) if fixed else sparse.agree_counts(active, ring.group)
-        return RingStep(caches, x, ring.remote, selection, residuals.encode(x, reference, active, 1, residual), residual)
+        selection = decide(self, x, reference, 1, (0, 2), _token_bytes(x, residual) if residual else 0, ring.group, world)
+        if selection is None:
+            return RingStep(caches, x, ring.remote, None, None, residual)
+        return RingStep(caches, x, ring.remote, selection, residuals.encode(x, reference, selection.active, 1, residual), residual)
 
 
 class RingStep:

@@ -70,7 +70,7 @@ def release() -> None:
     would be at exit, and the sub-groups (:func:`subgroups.release`)."""
     exchanger = job.exchanger()
     if exchanger is not None:
-        exchanger.save_decisions()
+        exchanger.decisions.save()
         job.end()
     subgroups.release()
 

@@ -55,4 +55,4 @@ def exchanger() -> Exchanger | None:
 def _save_decisions() -> None:
     # The live exchanger's decisions, once (one replaced during the run wrote nothing).
     if _EXCHANGER is not None:
-        _EXCHANGER.save_decisions()
+        _EXCHANGER.decisions.save()

@@ -237,7 +237,7 @@ def exchange_modules(run) -> dict[str, set[str]]:
     import sys
 
     import cocodiff_xfuser
-    from cocodiff_xfuser.exchanger import Exchange, RingRotater
+    from cocodiff_xfuser.exchanger import Exchange
 
     root = os.path.dirname(cocodiff_xfuser.__file__) + os.sep
     exchanger = os.path.join(root, "exchanger.py")
@@ -256,7 +256,7 @@ def exchange_modules(run) -> dict[str, set[str]]:
         elif event == "return" and frame is entry[0]:
             entry[0] = None
             owner = frame.f_locals.get("self")
-            key = arg if isinstance(arg, Exchange) else owner if isinstance(owner, (Exchange, RingRotater)) else None
+            key = arg if isinstance(arg, Exchange) else owner if isinstance(owner, Exchange) else None
             if key is None and frame.f_code.co_name == "all_to_all":
                 key = ("blocking", len(per_exchange))  # one call is the whole exchange
             if key is None:
@@ -264,7 +264,7 @@ def exchange_modules(run) -> dict[str, set[str]]:
             per_exchange.setdefault(key, set()).update(entry[1])
             if isinstance(key, Exchange):
                 names[key] = f"{key.label} ({key.algorithm})"
-            names.setdefault(key, "ring K/V" if isinstance(key, RingRotater) else f"{frame.f_locals.get('label')} (blocking)")
+            names.setdefault(key, f"{frame.f_locals.get('label')} (blocking)")
 
     sys.setprofile(profile)
     try:

@@ -1,16 +1,13 @@
-"""The exchanger's parts that need no process group: the share of an exchange over the slow links,
-and the Ulysses layouts (one pass into the order an exchange sends, and back to attention's layout)."""
+"""The job's layout without a process group: the share of an exchange over the slow links, ring
+peers on other nodes, and an uneven layout refused in one line."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-import torch
 
-from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm.topology import Topology
-from cocodiff_xfuser.exchanger import heads, sequence
 from cocodiff_xfuser.layout import Layout
 
 
@@ -52,35 +49,3 @@ def test_an_uneven_layout_is_one_line(spec, groups, rings, message):
     with pytest.raises(ValueError, match=re.escape(message)) as refused:
         _layout(spec, groups, 0, rings).check()
     assert "\n" not in str(refused.value) and str(refused.value).startswith("cocodiff: uneven layout")
-
-
-def _qk(b=2, h=12, s=5, d=4):
-    gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(b, h, s, d, generator=gen).to(torch.bfloat16) for _ in range(2))
-
-
-def test_heads_destination_major_is_xfusers_layout_in_one_pass():
-    q, k = _qk()
-    world = 4
-    want = torch.stack((q, k)).view(2, 2, world, 3, 5, 4).permute(2, 0, 1, 3, 4, 5).contiguous()
-    before = commstats.ran()["copied_bytes"]
-    got = heads((q, k), (world,), (0,))
-    assert torch.equal(got, want) and got.is_contiguous()
-    assert commstats.ran()["copied_bytes"] - before == want.numel() * want.element_size()
-
-
-def test_heads_in_level_order_is_the_destination_major_layout_permuted():
-    q, k = _qk()
-    canonical = heads((q, k), (2, 2), (0, 1))
-    inner_first = heads((q, k), (2, 2), (1, 0))
-    assert torch.equal(inner_first, canonical.permute(1, 0, 2, 3, 4, 5, 6))
-    three = heads((q, k), (2, 1, 2), (2, 0, 1))
-    assert torch.equal(three.reshape(-1), canonical.view(2, 1, 2, -1).permute(2, 0, 1, 3).reshape(-1))
-
-
-def test_sequence_is_xfusers_output_layout():
-    q, k = _qk()
-    exchanged = heads((q, k), (4,), (0,))  # any [W, n, b, h/W, s, d] tensor
-    want = exchanged.permute(1, 2, 3, 0, 4, 5).reshape(2, 2, 3, 4 * 5, 4)
-    got = sequence(exchanged, 2)
-    assert len(got) == 2 and all(torch.equal(g, w) for g, w in zip(got, want))

@@ -1,0 +1,45 @@
+"""The Ulysses layouts: the input exchange's head blocks written once, in the order the chosen
+exchange sends them (:func:`heads`), and its result read back as attention reads it
+(:func:`sequence`). Both copies are counted (:func:`cocodiff_xfuser.commstats.ran`, ``copied_bytes``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from cocodiff_xfuser import commstats
+
+
+def heads(tensors: Sequence[torch.Tensor], levels: Sequence[int], layout: Sequence[int]) -> torch.Tensor:
+    """Same-shaped ``[b, h, s, d]`` tensors as one contiguous ``[*levels in layout order, n, b, h/W, s, d]``.
+
+    The Ulysses input exchange sends head block g of every tensor to group rank g. xfuser builds its
+    destination-major input with ``torch.stack`` and ``permute(...).contiguous()`` (two passes over
+    the data), and TAPA's first phase would then re-block it by the innermost topology level (a
+    third); this writes each tensor once, straight into the order the chosen exchange sends.
+    ``levels``: the group's topology levels (outermost first, product W; ``(W,)`` for a flat
+    exchange), the destination rank ``g = ravel(g_0, ...)`` owning head block g; ``layout``: the
+    memory order of the level dims (``0, 1, ...`` is destination-major, xfuser's order; TAPA's
+    first phase: :meth:`~cocodiff_xfuser.comm.tapa.HierarchicalAllToAll.input_layout`). The copy is
+    counted (:func:`cocodiff_xfuser.commstats.ran`, ``copied_bytes``).
+    """
+    b, h, s, d = tensors[0].shape
+    world, k = int(torch.Size(levels).numel()), len(levels)
+    out = tensors[0].new_empty([levels[j] for j in layout] + [len(tensors), b, h // world, s, d])
+    for i, t in enumerate(tensors):
+        # [b, h, s, d] -> [b, *levels, h/W, s, d] -> [*levels in layout order, b, h/W, s, d]
+        blocks = t.view(b, *levels, h // world, s, d).permute(*(1 + j for j in layout), 0, k + 1, k + 2, k + 3)
+        out.select(k, i).copy_(blocks)
+    commstats.count_copy(out.numel() * out.element_size())
+    return out
+
+
+def sequence(exchanged: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The source-major exchange result ``[W, n, b, h/W, s, d]`` as ``n`` tensors ``[b, h/W, W*s, d]``
+    (what attention reads; the copy is counted)."""
+    world, _, b, local_heads, s, d = exchanged.shape
+    # [W, n, b, h/W, s, d] -> [n, b, h/W, W, s, d] -> [n, b, h/W, W*s, d]
+    out = exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, world * s, d)
+    commstats.count_copy(out.numel() * out.element_size())
+    return torch.unbind(out, dim=0)
