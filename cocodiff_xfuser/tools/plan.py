@@ -66,6 +66,8 @@ V_MAJOR_SWEEP = "sweep-v-major-budget-digits-flux.json"
 V_MAJOR_EXACT_STEPS = 1
 #: V-Major on the ring's K/V: the share of tokens sent, from this shipped quality run at the defaults.
 RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
+#: ``cocodiff bench host``'s run the planner prices cocodiff's own host time from.
+HOST_RUN = "host-tiny-flux.json"
 #: V-Major's own work per layer (ranking tokens by change, encoding and applying residuals), as
 #: ``bench kernels`` measured it on one GPU kernel by kernel (as an uncompiled xfuser job launches
 #: it): the shipped runs, fitted per byte of V a rank holds, price it on the presets of that GPU.
@@ -616,6 +618,8 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
     tf = tflops or TFLOPS.get(cluster, DEFAULT_TFLOPS)
     img, txt = spec.tokens(size, frames)
     ring_active = ring_v_major_measured()["v_major_active_fraction"]
+    host = host_costs()
+    layers = sum(n for n, _ in spec.attn)
     rows = []
     for C in ([1, 2] if spec.cfg and W % 2 == 0 else [1]):
         for U in _divisors(W // C):
@@ -650,15 +654,18 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
             pad = math.ceil(spec.heads / U) * U / spec.heads
             seqs = [(n, img + (txt if j else 0)) for n, j in spec.attn]
             compute = b * sum(n * layer_flops(spec, s, s / (U * R), pad) for n, s in seqs) / (tf * 1e12)
+            # cocodiff's own host time: every Ulysses exchange of the step and, with a ring, each
+            # layer's K/V gather (added in full: an upper bound, measured on a 2-core CPU host).
+            host_s = (sum(coco["algorithms"].values()) + (layers if R > 1 else 0)) * host["exchange_s"]
             rows.append({
                 "ulysses": U, "ring": R, "cfg": C, "head_padding": pad, "pad_bytes_overhead": pad - 1,
                 "bytes_per_step": coco["bytes"], "stock_comm_s": stock["comm_s"] + ring_s,
                 "tapa_comm_s": tapa["comm_s"] + ring_s, "cocodiff_comm_s": coco["comm_s"] + ring_s,
                 "v_first": coco is vfirst and U > 1, "v_hidden_s": coco["v_hidden_s"], "ring_s": ring_s, "algorithms": coco["algorithms"],
-                "compute_s": compute, "step_s": compute + coco["comm_s"] + ring_s,
+                "compute_s": compute, "host_s": host_s, "step_s": compute + coco["comm_s"] + ring_s + host_s,
                 "stock_step_s": compute + stock["comm_s"] + ring_s,
                 # With V-Major on the ring's K/V (lossy; None where the ring stays inside a node).
-                "ring_v_major_step_s": None if ring_v_major_s is None else compute + coco["comm_s"] + ring_v_major_s,
+                "ring_v_major_step_s": None if ring_v_major_s is None else compute + coco["comm_s"] + ring_v_major_s + host_s,
             })
     if not rows:
         raise ValueError(f"no ulysses x ring x cfg factorization of {W} ranks fits {spec.name}")
@@ -666,12 +673,14 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
     best = rows[0]
     best_stock = min(rows, key=lambda r: r["stock_step_s"])
     slow = full.subgroup(best["ulysses"])
-    flags = ["--ulysses_degree", str(best["ulysses"]), "--ring_degree", str(best["ring"])]
-    if best["cfg"] == 2:
+    # Stock where cocodiff's predicted step, its own host time included, is no shorter.
+    stock_wins = best_stock["stock_step_s"] <= best["step_s"]
+    chosen = best_stock if stock_wins else best
+    flags = ["--ulysses_degree", str(chosen["ulysses"]), "--ring_degree", str(chosen["ring"])]
+    if chosen["cfg"] == 2:
         flags.append("--use_cfg_parallel")
-    flags += ["--sp-backend", "cocodiff"]
-    if best["v_first"]:
-        flags.append("--cocodiff-v-first")
+    if not stock_wins:
+        flags += ["--sp-backend", "cocodiff"] + (["--cocodiff-v-first"] if best["v_first"] else [])
     vmaj = None
     # V-Major's own work per layer on the tensors it ranks and encodes (``tensors`` of the size of the
     # V a rank holds: [s / (U R)] tokens x every head), where its kernels were measured.
@@ -680,10 +689,12 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
               if cost is not None else "its kernels not priced (measured on no GPU of this preset)")
 
     def v_major_work(row: dict, tensors: int) -> float:
+        """Its kernels where priced, and its host time per layer (measured, :func:`host_costs`)."""
         b = batch * (2 if spec.cfg and row["cfg"] == 1 else 1)
-        return 0.0 if cost is None else sum(
+        kernels = 0.0 if cost is None else sum(
             n * (cost[0] + cost[1] * tensors * b * (img + (txt if j else 0)) / (row["ulysses"] * row["ring"])
                  * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn)
+        return kernels + layers * host["v_major_layer_s"]
 
     if len(slow.levels) > 1 and slow.levels[0].name == "node":
         kw = dict(size=size, frames=frames, batch=batch, ulysses=best["ulysses"], ring=best["ring"],
@@ -718,8 +729,12 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
             "tokens": {"image": img, "text": txt}, "calibrated": calibrated, "calibration": calibration,
             "coefficients": c.source,
             "compute_estimate": f"FLOPs at {tf:g} TFLOP/s per rank (assumed)", "ranked": rows,
-            "recommended": {"flags": " ".join(flags), **{k: best[k] for k in ("ulysses", "ring", "cfg")}},
-            "best_stock": best_stock, "speedup_vs_best_stock": best_stock["stock_step_s"] / best["step_s"],
+            "host": {**host, "source": f"cocodiff's own host time from `cocodiff bench host` ({HOST_RUN}, eager, a "
+                                        "2-core CPU host, tiny shapes), added in full to cocodiff's steps: an upper bound"},
+            "recommended": {"flags": " ".join(flags), "backend": "stock" if stock_wins else "cocodiff",
+                            **{k: chosen[k] for k in ("ulysses", "ring", "cfg")}},
+            "best_stock": best_stock,
+            "speedup_vs_best_stock": best_stock["stock_step_s"] / min(best["step_s"], best_stock["stock_step_s"]),
             "v_major": vmaj}
 
 
@@ -741,6 +756,15 @@ def v_major_layer_cost(gpu: str) -> Optional[Tuple[float, float]]:
 def ring_v_major_measured() -> dict:
     """The shipped quality run of V-Major on the ring's K/V at the defaults (:data:`RING_V_MAJOR_RUN`)."""
     return json.loads((RESULTS_DIR / RING_V_MAJOR_RUN).read_text())
+
+
+def host_costs() -> dict:
+    """cocodiff's own host time in seconds (:data:`HOST_RUN`, eager, on this project's 2-core CPU
+    host): per exact exchange (stock's processors over cocodiff's exchange) and per V-Major layer
+    (V-First's exchanges and V-Major's bookkeeping)."""
+    rows = {r["name"]: r["eager"] for r in json.loads((RESULTS_DIR / HOST_RUN).read_text())["configs"]}
+    return {"exchange_s": rows["cocodiff"]["host_s_per_exchange"],
+            "v_major_layer_s": rows["cocodiff+vfirst+vmajor"]["host_s_per_layer"]}
 
 
 def v_major_defaults() -> dict:
@@ -801,19 +825,23 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"{rep['model']} {rep['size']}px x{rep['frames']} batch {rep['batch']}: {rep['tokens']['image']} image + "
           f"{rep['tokens']['text']} text tokens; {rep['cluster']} x{rep['nodes']} = {rep['world']} ranks ({rep['levels']})")
     print(f"links: {rep['coefficients']}; compute: {rep['compute_estimate']}")
+    host = rep["host"]
+    print(f"host: {host['exchange_s'] * 1e6:.0f} us per exchange, {host['v_major_layer_s'] * 1e6:.0f} us per V-Major layer: "
+          f"{host['source']}")
     print(f"{'U':>3} {'R':>3} {'cfg':>3} {'pad':>6} {'MiB/step':>9} {'stock ms':>9} {'tapa ms':>8} {'cocodiff ms':>11} "
-          f"{'V hidden':>8} {'ring ms':>7} {'compute':>8} {'stock step':>10} {'step ms':>8}")
+          f"{'V hidden':>8} {'ring ms':>7} {'host ms':>7} {'compute':>8} {'stock step':>10} {'step ms':>8}")
     for r in rep["ranked"]:
         mark = " <- best stock layout" if r is rep["best_stock"] else ""
         print(f"{r['ulysses']:3d} {r['ring']:3d} {r['cfg']:3d} {r['pad_bytes_overhead']:+6.1%} "
               f"{r['bytes_per_step'] / 2**20:9.1f} {r['stock_comm_s'] * 1e3:9.2f} {r['tapa_comm_s'] * 1e3:8.2f} "
               f"{r['cocodiff_comm_s'] * 1e3:11.2f} {r['v_hidden_s'] * 1e3:8.2f} {r['ring_s'] * 1e3:7.2f} "
-              f"{r['compute_s'] * 1e3:8.2f} {r['stock_step_s'] * 1e3:10.2f} {r['step_s'] * 1e3:8.2f}{mark}")
+              f"{r['host_s'] * 1e3:7.2f} {r['compute_s'] * 1e3:8.2f} {r['stock_step_s'] * 1e3:10.2f} {r['step_s'] * 1e3:8.2f}{mark}")
     bs = rep["best_stock"]
     print(f"best stock layout: --ulysses_degree {bs['ulysses']} --ring_degree {bs['ring']}"
           f"{' --use_cfg_parallel' if bs['cfg'] == 2 else ''} (predicted stock step {bs['stock_step_s'] * 1e3:.2f} ms); the recommendation "
           f"is predicted at {rep['speedup_vs_best_stock']:.2f}x its step")
-    print(f"recommended: {rep['recommended']['flags']}")
+    why = " (stock: cocodiff's predicted step, its host time included, is no shorter)" if rep["recommended"]["backend"] == "stock" else ""
+    print(f"recommended: {rep['recommended']['flags']}{why}")
     vm = rep["v_major"]
     if vm:
         what = f"{vm['layout']} {vm['flag']}" if vm["layout"] else f"add {vm['flag']}"

@@ -96,7 +96,7 @@ def test_sd35_on_two_dgx_h100_nodes_lists_padded_ulysses():
     assert padded["head_padding"] == pytest.approx(48 / 38)
     assert padded["bytes_per_step"] == pytest.approx(by[(2, 8, 1)]["bytes_per_step"] * 48 / 38)
     assert by[(8, 1, 2)]["pad_bytes_overhead"] == pytest.approx(40 / 38 - 1)
-    assert "--sp-backend cocodiff" in rep["recommended"]["flags"]
+    assert ("--sp-backend cocodiff" in rep["recommended"]["flags"]) == (rep["recommended"]["backend"] == "cocodiff")
     assert "--ulysses_degree" in rep["recommended"]["flags"]
     assert all(r["ulysses"] * r["ring"] * r["cfg"] == 16 for r in rep["ranked"])
     # without padding only divisors of 38 remain
@@ -137,7 +137,7 @@ def test_flux_with_uneven_tokens_gets_no_ring():
     # 1040 px: 65 x 65 = 4225 image tokens, odd: only Ulysses (cocodiff pads tokens) splits them
     rep = plan.plan("flux-dev", 1040, cluster="dgx-h100", nodes=2)
     assert [(r["ulysses"], r["ring"]) for r in rep["ranked"]] == [(16, 1)]
-    assert "--ring_degree 1 " in rep["recommended"]["flags"]
+    assert rep["recommended"]["ring"] == 1 and "--ring_degree 1" in rep["recommended"]["flags"]
     # 1024 px: 4096 + 512 tokens split over 16 ranks, ring allowed
     assert any(r["ring"] > 1 for r in plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=2)["ranked"])
 
@@ -207,9 +207,31 @@ def test_the_planner_reads_the_shipped_measurements():
     assert fixed > 0 and per_byte > 0 and plan.v_major_layer_cost("no such GPU") is None
 
 
+def _no_host_time(monkeypatch) -> None:
+    monkeypatch.setattr(plan, "host_costs", lambda: {"exchange_s": 0.0, "v_major_layer_s": 0.0})
+
+
+def test_cocodiffs_host_time_is_priced_and_can_make_stock_the_recommendation(monkeypatch):
+    measured = plan.host_costs()
+    assert measured["exchange_s"] > 0 and measured["v_major_layer_s"] > measured["exchange_s"]
+    rep = plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=2)
+    for row in rep["ranked"]:  # every Ulysses exchange of a step and, with a ring, every layer's K/V gather
+        exchanges = sum(row["algorithms"].values()) + (sum(n for n, _ in plan.MODELS["flux-dev"].attn) if row["ring"] > 1 else 0)
+        assert row["host_s"] == pytest.approx(exchanges * measured["exchange_s"])
+        assert row["step_s"] == pytest.approx(row["compute_s"] + row["cocodiff_comm_s"] + row["host_s"])
+    if rep["recommended"]["backend"] == "stock":
+        assert "--sp-backend" not in rep["recommended"]["flags"] and rep["speedup_vs_best_stock"] == 1.0
+        assert rep["ranked"][0]["step_s"] >= rep["best_stock"]["stock_step_s"]
+    _no_host_time(monkeypatch)
+    free = plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=2)
+    assert free["recommended"]["backend"] == "cocodiff" and "--sp-backend cocodiff" in free["recommended"]["flags"]
+
+
 def test_v_major_is_suggested_only_where_it_saves_more_than_its_kernels_cost(monkeypatch):
-    # On two H100 nodes at U32, V-Major's bytes saved would be worth it if its kernels were free;
-    # priced at what one H100 measured, they cost more than the exchange time they save.
+    # On two H100 nodes at U32, V-Major's bytes saved would be worth it if its kernels and host time
+    # were free; priced at what one H100 measured, its kernels cost more than the exchange time they save.
+    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"] is None  # its host time alone
+    _no_host_time(monkeypatch)
     unpriced = dict(plan.KERNEL_GPUS)
     monkeypatch.setattr(plan, "KERNEL_GPUS", {})
     assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"] is not None
@@ -234,7 +256,7 @@ def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "cocodiff_xfuser/configs/dgx-h100.yaml" in names and "cocodiff_xfuser/configs/policies/v-major.yaml" in names
     assert sum(n.startswith("cocodiff_xfuser/results/a2a-") for n in names) == 9
-    assert f"cocodiff_xfuser/results/{plan.V_MAJOR_SWEEP}" in names
+    assert f"cocodiff_xfuser/results/{plan.V_MAJOR_SWEEP}" in names and f"cocodiff_xfuser/results/{plan.HOST_RUN}" in names
     assert sum(n.startswith("cocodiff_xfuser/results/kernels-") for n in names) == 3
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = ("import sys, cocodiff_xfuser; assert cocodiff_xfuser.__file__.startswith(sys.argv[1]); "
@@ -250,7 +272,8 @@ def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
 def test_the_ranking_marks_the_best_stock_layout(capsys):
     rep = plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=2)
     assert rep["best_stock"] == min(rep["ranked"], key=lambda r: r["stock_step_s"])
-    assert rep["speedup_vs_best_stock"] == rep["best_stock"]["stock_step_s"] / rep["ranked"][0]["step_s"]
+    best = min(rep["ranked"][0]["step_s"], rep["best_stock"]["stock_step_s"])
+    assert rep["speedup_vs_best_stock"] == rep["best_stock"]["stock_step_s"] / best
     assert cli.main(["plan", "--model", "flux-dev"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert sum(line.endswith("<- best stock layout") for line in out) == 1

@@ -32,7 +32,7 @@ from cocodiff_xfuser.comm.flat import FlatHandle, P2PHandle, flat_all_to_all, p2
 from cocodiff_xfuser.comm.ring import Remote, RingGather
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle, TwoLevelHandle
 from cocodiff_xfuser.comm.topology import Topology
-from cocodiff_xfuser.exchanger import heads, sequence
+from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.settings import VMajorSettings
 from cocodiff_xfuser.tools import same_bits
 from cocodiff_xfuser.xfuser import fault_policy

@@ -62,7 +62,7 @@ from cocodiff_xfuser.comm.autotune import AutoAllToAll, Registry, candidate_key,
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.comm.timing import elapsed, slowest
 from cocodiff_xfuser.comm.topology import Topology, resolve
-from cocodiff_xfuser.exchanger import heads, sequence
+from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.tools import same_bits
 from cocodiff_xfuser.tools.bench import one_at_a_time, parse_shapes, plots
 
@@ -146,7 +146,7 @@ ULYSSES_HEADS, ULYSSES_HEAD_DIM = 2, 64
 def _ulysses_layouts(x: torch.Tensor, pg: Any, tuner: AutoAllToAll, timer: _Timer, reps: int, warmup: int) -> dict[str, Any] | None:
     """The Ulysses Q/K input exchange at ``x``'s size, as xfuser lays it out (``torch.stack``,
     ``permute().contiguous()``, the exchange, ``permute().reshape()``) and as cocodiff does
-    (:func:`cocodiff_xfuser.exchanger.heads`), both with the chosen algorithm: bitwise-equal outputs,
+    (:func:`cocodiff_xfuser.ulysses_layout.heads`), both with the chosen algorithm: bitwise-equal outputs,
     local copies per exchange in passes over the message (counted), and the time of those copies
     alone and of the whole exchange (medians, max over ranks). None when the size does not
     split into such tensors."""

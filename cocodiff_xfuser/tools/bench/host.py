@@ -9,8 +9,8 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
   step and its ratio to stock's;
 * **host time**: each configuration alone with its point-to-point batches taken out (every batch is
   posted as nothing and completes at once, so gloo's latency is not counted; the exchanges move no
-  data and the images mean nothing; the fair flat exchange is forced, so that every exchange is such
-  a batch): the time the timed calls spent in cocodiff's entry points, outermost calls only: the
+  data, byte messages arrive as zeros, and the images mean nothing; the fair flat exchange is
+  forced, so that every exchange is such a batch): the time the timed calls spent in cocodiff's entry points, outermost calls only: the
   V-First processors' decision at a layer's entry, V's start, Q/K's exchange with V's wait, the
   output exchange, and, under stock's processors, the routed exchange (``Exchanger.all_to_all``).
   ``host_s_per_exchange``: the exchange entry points' time over the exchanges that ran;
@@ -167,6 +167,8 @@ class _Timer:
 
 
 def _worker(argv: list[str]) -> None:
+    import torch
+
     from cocodiff_xfuser import commstats
     from cocodiff_xfuser.comm import transport
     from cocodiff_xfuser.exchanger import Exchanger
@@ -177,7 +179,17 @@ def _worker(argv: list[str]) -> None:
     for name in ("start_input_exchange", "exchange_inputs", "output_exchange"):
         setattr(ulysses, name, timer.wrap(getattr(ulysses, name), "exchange_s"))
     Exchanger.all_to_all = timer.wrap(Exchanger.all_to_all, "exchange_s")
-    transport.post = lambda recv, send, group, role, what, buffers=(): transport.Completion([], "", group, what)
+
+    def post_nothing(recv, send, group, role, what, buffers=()):
+        # Nothing crosses. Byte messages (V-Major's indices and rows) are zeroed: indices received
+        # as whatever memory held would index out of range.
+        for pieces in recv:
+            for piece in pieces:
+                if piece.dtype == torch.uint8:
+                    piece.zero_()
+        return transport.Completion([], "", group, what)
+
+    transport.post = post_nothing
 
     counted = {}
 
