@@ -236,6 +236,8 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
                                  local=fabric and fabric["local"], steps=steps, calibrate=calibration, tflops=tflops,
                                  fabric_params=fabric and fabric["fabric_params"])
         best = planned["ranked"][0]
+        # The recommendation's predicted step: cocodiff's, or the best stock layout's where it is no longer.
+        step = best["step_s"] if planned["recommended"]["backend"] == "cocodiff" else planned["best_stock"]["stock_step_s"]
         at_job = next(r for r in planned["ranked"] if (r["ulysses"], r["ring"], r["cfg"]) == (world, 1, 1))
         layouts = measured_layouts(planned, model, size, topo.sizes[0], world // topo.sizes[0])
         rows, failures = zip(*(equivalence(name, verdicts[name], ran[name]["ran"]) for name in list(CONFIGS)[1:]))
@@ -250,8 +252,8 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
             "compute_s": compute_s, "effective_tflops": tflops,
             "planned": {**planned["recommended"], "v_first": best["v_first"]}, "v_major": planned["v_major"],
             "planned_best_stock": planned["best_stock"],
-            "predicted_step_s": best["step_s"], "predicted_comm_s": best["step_s"] - best["compute_s"],
-            "predicted_stock_step_s": at_job["stock_step_s"], "predicted_gain": at_job["stock_step_s"] / best["step_s"],
+            "predicted_step_s": step, "predicted_comm_s": step - best["compute_s"],
+            "predicted_stock_step_s": at_job["stock_step_s"], "predicted_gain": at_job["stock_step_s"] / step,
         }
     shared = [None if layouts is None else [(lay.ulysses, lay.ring, lay.cfg, v_first) for lay, v_first in layouts]]
     dist.broadcast_object_list(shared, src=0)
@@ -291,8 +293,8 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     report["failures"] += [f"{c['name']} differs from stock {c['layout']}" for c in candidates if not c["exact"] and not c["lossy"]]
     report["equivalent"] = report["equivalent"] and all(c["exact"] for c in candidates if not c["lossy"])
     planned = report["planned"]
-    planned_name = (f"{'tapa+vfirst' if planned['v_first'] else 'tapa'} "
-                    f"{bench_e2e.Layout(planned['ulysses'], planned['ring'], planned['cfg'] == 2).name}")
+    kind = "stock" if planned["backend"] == "stock" else "tapa+vfirst" if planned["v_first"] else "tapa"
+    planned_name = f"{kind} {bench_e2e.Layout(planned['ulysses'], planned['ring'], planned['cfg'] == 2).name}"
     measured_planned = next((c["step_s"] for c in candidates if c["name"] == planned_name), None)
     return {**report, **recommend(candidates, min_psnr), "measured_stock_step_s": step_s["stock"],
             "measured_fair_step_s": step_s["fair-flat"], "planned_step_s": measured_planned,
