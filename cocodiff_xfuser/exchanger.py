@@ -131,7 +131,7 @@ class Exchanger:
     def _slow_level(self, groups: list[list[int]], user: str) -> sparse.SlowLevel | None:
         """Where the sparse exchanges of ``user`` (V-Major, or fp8-slow) cross nodes (collective:
         builds their sub-groups)."""
-        level = sparse.build_slow_levels(self.topology, groups)[transport.group_ranks(self.group)]
+        level = sparse.build_slow_levels(groups, self.layout.nodes_and_lanes)[transport.group_ranks(self.group)]
         if not level.exists:  # said in one line for the job at activation
             if not (user == "V-Major" and self.ring_remote):  # else the ring's K/V carry it across nodes
                 commstats.count_fallback(f"{user.lower()}: no slow level")

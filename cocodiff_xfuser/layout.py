@@ -70,6 +70,11 @@ class Layout:
         """Every global rank's node (the topology's outermost coordinate)."""
         return tuple(self.topology.coords(r)[0] for r in range(len(self.ulysses_groups)))
 
+    def nodes_and_lanes(self, ranks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Per member of the group ``ranks`` (in that order): its node's position among the group's
+        nodes, and its position among the group's members on that node (its lane)."""
+        return self.topology.nodes_and_lanes(ranks)
+
     def crosses(self, ranks: Sequence[int]) -> bool:
         """Whether the group ``ranks`` has members on more than one node."""
         return len({self.node_of[r] for r in ranks}) > 1

@@ -363,7 +363,13 @@ def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path):
     for p in policies:
         result = json.loads((output_dir(tmp_path, tiny_models.SPECS["tiny-flux"].model_id, p) / "result.json").read_text())
         ran = result["ran"]
-        assert all(sequence == result["launches"][0] for sequence in result["launches"][1:]), f"{p}: ranks launched apart"
+        # Each Ulysses group runs its own autotune decisions; the communicators they share (the ring's,
+        # the world's) see one order on every rank.
+        launches = result["launches"]
+        for group in (launches[:4], launches[4:]):
+            assert all(sequence == group[0] for sequence in group[1:]), f"{p}: ranks of a Ulysses group launched apart"
+        shared = [[op for op in sequence if op[0] in ("ring", "group of 8")] for sequence in launches]
+        assert shared[0] and all(sequence == shared[0] for sequence in shared[1:]), f"{p}: ranks launched apart on the ring"
         assert not ran["fallbacks"], (p, ran)
         assert ran["exchanges"].get("ring v-major", 0) > 0, (p, ran)
         assert sum(n for a, n in ran["exchanges"].items() if a.startswith("v-major")) > 0, (p, ran)

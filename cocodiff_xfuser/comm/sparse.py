@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from . import flat, residuals, subgroups, transport
-from .topology import Topology
 
 #: Rows for destination ``j`` at ``rows[j]`` (``[P, k_j, d]``): a ``[W, P, k, d]`` tensor, or a
 #: mapping with the destinations on other nodes.
@@ -93,8 +92,11 @@ class SlowLevel:
         return next(j for j in range(len(self.node)) if self.node[j] == node and self.lane[j] == lane)
 
 
-def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> dict[tuple[int, ...], SlowLevel]:
-    """The :class:`SlowLevel` of every Ulysses group this rank belongs to, keyed by its sorted ranks.
+def build_slow_levels(
+    groups: Sequence[Sequence[int]], nodes_and_lanes: Callable[[Sequence[int]], tuple[list[int], list[int]]]
+) -> dict[tuple[int, ...], SlowLevel]:
+    """The :class:`SlowLevel` of every Ulysses group this rank belongs to, keyed by its sorted ranks;
+    ``nodes_and_lanes``: where a group's members sit (the job's layout, or a topology's).
 
     Collective over the world: every rank creates the same sub-groups in the same order (a
     two-level group's are TAPA's level sub-groups, :mod:`.subgroups`).
@@ -102,7 +104,7 @@ def build_slow_levels(topology: Topology, groups: Sequence[Sequence[int]]) -> di
     rank = dist.get_rank()
     levels: dict[tuple[int, ...], SlowLevel] = {}
     for ranks in sorted({tuple(sorted(g)) for g in groups}):
-        node, lane = topology.nodes_and_lanes(ranks)
+        node, lane = nodes_and_lanes(ranks)
         level = SlowLevel(node, lane, ranks.index(rank) if rank in ranks else -1)
         if level.exists and level.regular:
             level.cross_group = subgroups.member_of([[ranks[j] for j in range(len(ranks)) if lane[j] == l] for l in range(max(lane) + 1)])

@@ -76,7 +76,7 @@ class RingLayer:
     """V-Major's state of one ring-attention call of a transformer call."""
 
     def __init__(self, ring: Ring) -> None:
-        self.ring = ring
+        self.ring, self.clock, self.settings = ring, ring.clock, ring.settings
         self.index = ring.clock.layers  # on the clock, beside the Ulysses layers
         ring.clock.layers += 1
 

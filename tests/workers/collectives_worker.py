@@ -640,7 +640,7 @@ def case_sparse() -> None:
     groups = [list(range(WORLD))]
     for spec in layouts:
         topo = Topology.parse(spec)
-        level = sparse.build_slow_levels(topo, groups)[tuple(range(WORLD))]
+        level = sparse.build_slow_levels(groups, topo.nodes_and_lanes)[tuple(range(WORLD))]
         check(level.exists and level.regular, f"{spec}: the world spans nodes evenly")
         group = dist.group.WORLD
         # (1, 7, 3) in bf16: relayed pieces start off the alignment of their indices and rows.
@@ -721,7 +721,7 @@ def case_sparse() -> None:
                                      False, prev.clone(), collective=True, by_receiver=True)
         handle.wait()
         check(handle.slow_bytes == sum(sel.counts[j] for j in remote) * p * d * size, f"{spec}: sent bytes without indices")
-    flat = sparse.build_slow_levels(Topology.parse(f"1x{WORLD}"), groups)[tuple(range(WORLD))]
+    flat = sparse.build_slow_levels(groups, Topology.parse(f"1x{WORLD}").nodes_and_lanes)[tuple(range(WORLD))]
     check(not flat.exists, "one node: no slow level")
 
 
@@ -732,7 +732,7 @@ def case_v_major_layer() -> None:
     from cocodiff_xfuser.vmajor.clock import Clock
     from cocodiff_xfuser.vmajor.policy import Layer
 
-    level = sparse.build_slow_levels(Topology.parse(f"2x{WORLD // 2}"), [list(range(WORLD))])[tuple(range(WORLD))]
+    level = sparse.build_slow_levels([list(range(WORLD))], Topology.parse(f"2x{WORLD // 2}").nodes_and_lanes)[tuple(range(WORLD))]
     group = dist.group.WORLD
     shape = (WORLD, 1, 2, 2, 24, 8)  # [W, n, b, h/W, s, d]
     planes = shape[1] * shape[2] * shape[3]
@@ -847,7 +847,7 @@ def _every_exchange(spec: str) -> list[torch.Tensor]:
     out = [p2p_all_to_all(x), hier(x), h.wait(), hier(x, parts=2)]
     if len(topo.sizes) == 2:
         out.append(Registry(hier)["flat-pxn"].run(x, None))
-    level = sparse.build_slow_levels(topo, [list(range(WORLD))])[tuple(range(WORLD))]
+    level = sparse.build_slow_levels([list(range(WORLD))], topo.nodes_and_lanes)[tuple(range(WORLD))]
     v = torch.randn(WORLD, 2, 12, 4, generator=torch.Generator().manual_seed(RANK))
     mask = torch.arange(12) % (RANK + 2) == 0 if RANK else torch.zeros(12, dtype=torch.bool)
     sel = sparse.agree_counts(mask.nonzero().flatten(), dist.group.WORLD)
