@@ -82,6 +82,20 @@ def test_clock_counts_steps_and_branches_within_each_pipeline_call():
     assert clock.current is None
 
 
+def test_a_layer_outside_a_pipeline_call_exchanges_exactly(caplog):
+    from cocodiff_xfuser import commstats
+
+    layer = _layer()
+    layer.clock.close()
+    before = commstats.ran()["fallbacks"].get("v-major: outside a pipeline call", 0)
+    v = torch.randn(2, 1, 1, 2, 8, 4)
+    with caplog.at_level("WARNING", logger="cocodiff_xfuser"):
+        steps = [layer.begin(v) for _ in range(2)]
+    assert all(step.caches is None and step.active is None for step in steps)
+    assert commstats.ran()["fallbacks"]["v-major: outside a pipeline call"] == before + 2
+    assert sum("outside one" in r.message for r in caplog.records) == 1
+
+
 def test_a_call_frees_its_caches_when_it_ends():
     layer = _layer()
     v = torch.randn(2, 1, 1, 2, 8, 4)

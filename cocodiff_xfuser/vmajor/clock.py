@@ -187,6 +187,7 @@ class Clock:
         self.current: Call | None = None
         self.calls = 0  # pipeline calls opened so far
         self.budget_warned = False  # the one log line for the job
+        self._outside_warned = False
         self._layers_agreed = False
         # Auto's speed check from step ``trial_from`` over ``arms`` (None: none), until it decides;
         # ``off``: it found V-Major's steps not faster, and every exchange is exact for the rest of
@@ -225,6 +226,15 @@ class Clock:
             arm = self.trial.at_step(call.step, device, self.agreement_group())
             if arm is not None:
                 self.trial, self.off, self.stock = None, arm != "v-major", arm == "stock"
+
+    def outside_call(self) -> None:
+        """A V-Major layer ran with no pipeline call open (its transformer called by a loop of the
+        user's own, not through ``pipe(...)``): it exchanges exactly; counted, and said once."""
+        commstats.count_fallback("v-major: outside a pipeline call")
+        if not self._outside_warned:
+            self._outside_warned = True
+            logger.warning("cocodiff: V-Major keeps its state per pipeline call (pipe(...)); this transformer is called "
+                           "outside one, so its exchanges are exact")
 
     def agreement_group(self) -> Any:
         """The group the clock's agreements run over: the given one, or WORLD where none was given

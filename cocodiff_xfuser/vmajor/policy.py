@@ -42,7 +42,7 @@ class Layer:
         """Decide this call's exchanges from V (destination-major ``[W, 1, b, h/W, s, d]``)."""
         clock, settings, call = self.clock, self.settings, self.clock.current
         if call is None:  # the transformer called outside a pipeline call: nothing to keep
-            commstats.count_fallback("v-major: outside a pipeline call")
+            clock.outside_call()
             return Step(self, None, None)
         if self.index == 0 and call.step == 0 and call.branch == 0:
             need = cache_bytes(v, settings)

@@ -49,7 +49,7 @@ class Ring:
         buffer that is not two equal halves of whole tokens)."""
         clock, call = self.clock, self.clock.current
         if call is None:  # the transformer called outside a pipeline call: nothing to keep
-            commstats.count_fallback("v-major: outside a pipeline call")
+            clock.outside_call()
             return None
         now = (clock.calls, call.step, call.branch)
         if now != self._call:
@@ -82,7 +82,7 @@ class RingLayer:
 
     def begin(self, x: torch.Tensor) -> RingStep | None:
         """Decide this call's exchange of ``x`` (``[2, T, row]``), in the pipeline call in progress."""
-        ring, clock, settings, call = self.ring, self.ring.clock, self.ring.settings, self.ring.clock.current
+        ring, clock, settings, call = self.ring, self.clock, self.settings, self.clock.current
         if clock.off:
             call.drop(self.index)
         if clock.off or clock.exact_step():  # auto's exact steps keep the caches: they still match
