@@ -104,15 +104,12 @@ class Exchanger:
         groups = [list(g) for g in self.layout.ulysses_groups]
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
-        self._slow_share = self.layout.slow_share
-        # The ring ranks on other nodes than this rank's: each receives its K/V over the slow links.
-        self.ring_remote = self.layout.ring_remote
         # V-Major on the ring of the transformer that runs (:class:`~cocodiff_xfuser.vmajor.ring.Ring`,
         # set as each transformer call starts), or None: the ring's K/V are gathered exactly.
         self.ring_v_major = None
         slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
         v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
-        if not self._slow_share and self.rank == 0:
+        if not self.layout.slow_share and self.rank == 0:
             # The layout put the slow links outside Ulysses (ring or CFG across nodes): one line for the job.
             idle = "V-Major and fp8-slow have" if self.levels else "TAPA, V-Major and fp8-slow have"
             across = ("the ring's K/V cross nodes as V-Major's step residuals, CFG as stock" if v_major and self.ring_remote
@@ -164,7 +161,7 @@ class Exchanger:
             algorithm = self._choose(x)
             parts = self.autotune.parts(x, self.group) if algorithm == "hierarchical" else 1
             sent = transport.wire_bytes(x)
-            route = _Route(algorithm, parts, int(sent * self._slow_share), int(exact_bytes * self._slow_share))
+            route = _Route(algorithm, parts, int(sent * self.layout.slow_share), int(exact_bytes * self.layout.slow_share))
             if self.autotune.settled(x, self.group):
                 self._routes[key] = route
         commstats.count_exchange(route.algorithm, label, slow_link_bytes=route.slow_bytes, slow_link_bytes_exact=route.exact_bytes)
@@ -298,6 +295,11 @@ class Exchanger:
         algorithm = self._flat_route(flat, x, label).algorithm
         out = self.finish(lambda: self.autotune.run(algorithm, flat, self.group), label, algorithm)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
+
+    @property
+    def ring_remote(self) -> tuple[int, ...]:
+        """The ring ranks on other nodes than this rank's: each receives its K/V over the slow links."""
+        return self.layout.ring_remote
 
     def ring_rotater(self, group: dist.ProcessGroup, row: int | None = None) -> ring.Rotater:
         """torch's ring-attention rotater for ``group`` (the ring group), its gather started here
