@@ -13,7 +13,7 @@ PYTEST_ARGS ?= -m "not slow"
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e ".[test,bench,quality]"
+	$(PIP) install -q -c constraints.txt -e ".[cpu,test,bench,quality]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -65,6 +65,7 @@ class _Ran:
     v_major: dict = field(default_factory=dict)
     v_major_s: float = 0.0  # host time in V-Major's bookkeeping: selection, references, residuals
     v_major_sparse: Counter = field(default_factory=Counter)  # exchange ('v', 'qk', 'qk+v', 'o') -> sparse exchanges
+    kernels: Counter = field(default_factory=Counter)  # Triton kernel (V-Major's) -> launches
 
 
 _totals = _Totals()
@@ -109,6 +110,11 @@ def count_v_major_sparse(name: str) -> None:
     _ran.v_major_sparse[name] += 1
 
 
+def count_kernel(name: str) -> None:
+    """A launch of V-Major's Triton kernels ``name`` (where they run in place of the torch reference)."""
+    _ran.kernels[name] += 1
+
+
 def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
     counts = _ran.v_major.setdefault((step, layer), [0, 0])
     counts[0] += active
@@ -124,7 +130,7 @@ def ran() -> dict:
     heads and tokens sent so that counts not divisible by the degree split), ``v_major``: the tokens
     V-Major sent over slow links, ``active``, of ``tokens``, in total, per step and per layer,
     ``v_major_sparse``: its sparse exchanges per exchange of a layer ('v', 'qk', 'o'; 'qk+v' where V
-    rode with Q/K), and
+    rode with Q/K), ``kernels``: launches of V-Major's Triton kernels by name, and
     ``v_major_s``: the host time of V-Major's bookkeeping (selection, references, residuals; on a
     GPU the time to queue that work, which the device runs asynchronously)."""
     return {
@@ -140,6 +146,7 @@ def ran() -> dict:
         "v_major": _v_major_report(_ran.v_major),
         "v_major_s": _ran.v_major_s,
         "v_major_sparse": dict(_ran.v_major_sparse),
+        "kernels": dict(_ran.kernels),
     }
 
 
@@ -160,7 +167,7 @@ def _v_major_report(counts: dict) -> dict:
 def sum_ran(reports: list[dict]) -> dict:
     """The :func:`ran` reports of several ranks, summed."""
     numbers = ("v_first_calls", "slow_link_bytes", "slow_link_bytes_exact", "copied_bytes", "padded_bytes", "v_major_s")
-    counters = ("exchanges", "labels", "fallbacks", "reverted", "v_major_sparse")
+    counters = ("exchanges", "labels", "fallbacks", "reverted", "v_major_sparse", "kernels")
     total = {**{key: Counter() for key in counters}, **dict.fromkeys(numbers, 0)}
     for report in reports:
         for key in counters:

@@ -38,7 +38,7 @@ def _knob(help: str) -> Any:
 DEFAULTS = CONFIGS / "policies" / "v-major.yaml"
 METRICS = ("rel-l2", "l1")
 SCOPES = ("v", "qkv", "qkvo")
-RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn")
+RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn", "int4")
 IF_SLOWER = ("stop", "keep")
 MODES = ("off", "on", "auto")
 CALIBRATION = DEFAULTS.with_name("v-major-calibration.yaml")
@@ -100,8 +100,8 @@ _METRIC_HELP = f"change of a token: {', '.join(METRICS)}"
 
 @dataclass(frozen=True)
 class Threshold:
-    """Sends the tokens whose change exceeds ``threshold``; the counts, read from the data, are
-    agreed at every layer."""
+    """Sends as many tokens as exceeded ``threshold`` at an earlier step (measured per layer,
+    agreed per step), those that changed most."""
 
     name: ClassVar[str] = "threshold"
     metric: str = _knob(_METRIC_HELP)

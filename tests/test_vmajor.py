@@ -47,7 +47,7 @@ def test_shipped_defaults_load_and_flags_override(tmp_path):
     [
         ({"policy": "random"}, "--cocodiff-v-major-policy 'random'"),
         ({"policy": "top-k", "fraction": 1.5}, "--cocodiff-v-major-fraction"),
-        ({"residual_dtype": "int4"}, "--cocodiff-v-major-residual-dtype"),
+        ({"residual_dtype": "int2"}, "--cocodiff-v-major-residual-dtype"),
         ({"policy": "threshold", "threshold": -1.0}, "must be >= 0"),
     ],
 )
@@ -174,15 +174,16 @@ def _layer(**overrides) -> policy.Layer:
     clock = vmajor_clock.Clock()
     clock.open()
     clock.tick(1.0)
-    return policy.Layer(clock, VMajorSettings.load(warmup_steps=1, **overrides))
+    return policy.Layer(clock, VMajorSettings.load(warmup_steps=1, **overrides), (1,))
 
 
 def _count(layer: policy.Layer, step: int, s: int) -> int | None:
     return policy.count(layer.settings, layer.clock, layer.index, step, s)
 
 
-def _select(layer: policy.Layer, v: torch.Tensor, reference: torch.Tensor, k: int | None) -> torch.Tensor:
-    return policy.select(layer.settings.rule, v, reference, k, dims=(0, 1, 3, 5))
+def _select(layer: policy.Layer, v: torch.Tensor, reference: torch.Tensor, k: int) -> list[int]:
+    change = policy.token_change(layer.settings.rule.metric, v, reference, 4, (0, 1, 3, 5))
+    return sorted(torch.sort(change, stable=True).indices[change.numel() - k:].tolist())
 
 
 def test_selection_policies():
@@ -190,37 +191,54 @@ def test_selection_policies():
     reference = torch.ones(2, 1, 1, 2, 10, 4)
     v = reference * (1 + torch.arange(10.0) / 10)[:, None]
     threshold = _layer(policy="threshold", threshold=0.45)
-    assert _count(threshold, 1, 10) is None  # the data decides the count
-    assert _select(threshold, v, reference, None).tolist() == [5, 6, 7, 8, 9]
+    assert _count(threshold, 1, 10) is None  # measured at an earlier step: nothing agreed yet
+    change, share = policy.measure(threshold.settings.rule, v, reference, 4, (0, 1, 3, 5))
+    assert float(share) == pytest.approx(0.5) and _select(threshold, v, reference, 5) == [5, 6, 7, 8, 9]
     top = _layer(policy="top-k", fraction=0.3)
-    assert sorted(_select(top, v, reference, _count(top, 1, 10)).tolist()) == [7, 8, 9]
-    l1 = _select(_layer(policy="threshold", metric="l1", threshold=0.25), v, reference, None)
-    assert l1.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert _select(top, v, reference, _count(top, 1, 10)) == [7, 8, 9]
+    l1 = _layer(policy="threshold", metric="l1", threshold=0.25)
+    assert float(policy.measure(l1.settings.rule, v, reference, 4, (0, 1, 3, 5))[1]) == pytest.approx(0.7)
     # The ring's K/V ([K|V, tokens, row]) rank their tokens by the same metrics.
     ring = reference[0, 0, 0].expand(2, 10, 4)  # [2, 10, 4]
     changed = ring * (1 + torch.arange(10.0) / 10)[:, None]
-    assert sorted(policy.select(top.settings.rule, changed, ring, 3, dims=(0, 2)).tolist()) == [7, 8, 9]
+    change = policy.token_change("rel-l2", changed, ring, 1, (0, 2))
+    assert torch.sort(change, stable=True).indices[7:].tolist() == [7, 8, 9]
 
 
-def test_schedule_raises_the_cached_share(monkeypatch):
-    monkeypatch.setattr(policy, "_total_steps", lambda: 5)
-    layer = _layer(policy="schedule", final_cached=0.8)
-    assert [_count(layer, s, 10) for s in range(1, 5)] == [8, 6, 4, 2]  # cached 0.2 ... 0.8 after one warm-up step
+def test_the_selection_is_the_same_whatever_order_changes_are_summed_in():
+    """Integer sums: a token's change does not depend on the order its elements are added in (the
+    order differs between CPU and GPU reductions), and ties go to the lower token index."""
+    g = torch.Generator().manual_seed(3)
+    reference = torch.randn(2, 1, 1, 3, 16, 8, generator=g)
+    v = reference + 0.1 * torch.randn(reference.shape, generator=g)
+    reference[..., 9, :], v[..., 9, :] = reference[..., 5, :], v[..., 5, :]  # a tie
+    flipped = policy.token_change("rel-l2", v.flip(0, 3, 5), reference.flip(0, 3, 5), 4, (0, 1, 3, 5))
+    assert torch.equal(policy.token_change("rel-l2", v, reference, 4, (0, 1, 3, 5)), flipped)
+    budget = VMajorSettings.load(policy="budget", error=0.05).rule
+    squared, share = policy.measure(budget, v, reference, 4, (0, 1, 3, 5))
+    assert squared.dtype == torch.int64 and squared[5] == squared[9]
+    assert torch.equal(squared, policy.measure(budget, v.flip(0, 3, 5), reference.flip(0, 3, 5), 4, (0, 1, 3, 5))[0])
+    ranked = torch.sort(squared, stable=True).indices.tolist()
+    assert ranked.index(5) == ranked.index(9) - 1  # equal changes: the lower index ranks first (left out first)
 
 
 def test_budget_share_is_the_fewest_tokens_meeting_the_error():
-    # Token i of 10 changed by i (squared change i^2); V's squared norm 1000.
+    # Token i of 10 changed by i in one of 1000 elements (squared change i^2); V's squared norm 1000.
+    budget = lambda e: VMajorSettings.load(policy="budget", error=e).rule  # noqa: E731
+    v = torch.ones(10, 100) * (1000 / 990) ** 0.5
+    v[:, 0] = 0.0
+    reference = v.clone()
+    reference[:, 0] = -torch.arange(10.0)
     change = torch.arange(10.0) ** 2
-    v = torch.full((1000,), 1.0)
+    norm2 = float(v.square().sum())
     for error in (0.05, 0.1, 0.2, 0.5):
-        share, ranked = policy.share_needed(change, v, error)
-        share = float(share)
-        assert ranked.tolist() == list(range(10))  # smallest change first
-        k = round(share * 10)
+        squared, share = policy.measure(budget(error), v, reference, 0, (1,))
+        assert torch.sort(squared, stable=True).indices.tolist() == list(range(10))  # smallest change first
+        k = round(float(share) * 10)
         left = sorted(change.tolist(), reverse=True)[k:]
-        assert sum(left) <= error**2 * 1000  # sending the k largest meets the budget ...
-        assert k == 0 or sum(left) + sorted(change.tolist(), reverse=True)[k - 1] > error**2 * 1000  # ... k-1 would not
-    assert float(policy.share_needed(torch.zeros(10), v, 0.1)[0]) == 0.0
+        assert sum(left) <= error**2 * norm2  # sending the k largest meets the budget ...
+        assert k == 0 or sum(left) + sorted(change.tolist(), reverse=True)[k - 1] > error**2 * norm2  # ... k-1 would not
+    assert float(policy.measure(budget(0.1), v, v, 0, (1,))[1]) == 0.0
 
 
 def test_joined_caches_are_views_of_one_tensor_until_an_entry_is_replaced():
@@ -392,3 +410,25 @@ def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies
         assert ran["exchanges"].get("ring v-major", 0) > 0, (p, ran)
         assert sum(n for a, n in ran["exchanges"].items() if a.startswith("v-major")) > 0, (p, ran)
         assert ran["slow_link_bytes"] < ran["slow_link_bytes_exact"], (p, ran)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_the_triton_kernels_in_a_job_give_the_torch_references_images(tmp_path):
+    """V-Major with int4 residuals on the Ulysses exchanges and the ring's K/V: a job whose layers
+    run the Triton kernels (interpreted on the CPU: the change sums, the encode, the apply) makes
+    the images of a job that runs the torch reference, bit for bit, and the kernels ran."""
+    # Over 4x1 both the Ulysses groups and the ring cross nodes; step 2 is sparse (the first two warm up).
+    run = Run(model="tiny-flux", ulysses_degree=2, ring_degree=2, topology="4x1", steps=3, height=64, width=64,
+              extra=("--cocodiff_v_major", "on", "--cocodiff_v_major_residual_dtype", "int4"))
+    images, ran = {}, {}
+    for interpreted in ("0", "1"):
+        out = tmp_path / interpreted
+        launcher.torchrun(4, run.argv(("cocodiff",), out), env={"TRITON_INTERPRET": interpreted}, timeout=540)
+        where = output_dir(out, tiny_models.SPECS["tiny-flux"].model_id, "cocodiff")
+        images[interpreted] = np.load(where / "images.npy")
+        ran[interpreted] = json.loads((where / "result.json").read_text())["ran"]
+    assert np.array_equal(images["0"], images["1"])
+    assert not ran["0"]["kernels"] and not ran["1"]["fallbacks"], ran
+    assert {"change sums", "int4 encode", "int4 apply"} <= set(ran["1"]["kernels"]), ran["1"]["kernels"]
+    assert ran["1"]["exchanges"].get("ring v-major", 0) > 0 and ran["1"]["v_major_sparse"], ran["1"]

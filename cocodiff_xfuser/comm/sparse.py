@@ -13,9 +13,9 @@ what travels with them:
   sends a receiver the rows at that receiver's active tokens, learned from the input exchange, and
   the receiver places them at its own active tokens; no index travels. What every rank of
 the group sends is sized by the :class:`Selection`'s counts, which every rank knows before the
-exchange: from the settings and the step where the policy fixes the count (nothing to agree, no
-host synchronization), or from one all-gather of the counts (:func:`agree_counts`) where it does
-not. Either way every rank launches the same batches (the rule of one program order, :mod:`.transport`).
+exchange (V-Major's counts are fixed by its policy and step, or by shares agreed at earlier steps:
+nothing to agree here, no host synchronization; the exchange also carries counts that differ per
+rank), so every rank launches the same batches (the rule of one program order, :mod:`.transport`).
 
 Two routings, like the exact exchange:
 
@@ -133,17 +133,6 @@ class Selection:
         return _bytes(self.active.to(torch.int32))
 
 
-def agree_counts(active: torch.Tensor, group: Any) -> Selection:
-    """Every rank's count on every rank: one all-gather of one integer (collective; it reads the
-    counts on the host, the one synchronization of a policy whose count varies)."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([active.numel()], dtype=torch.int64, device=active.device)
-    counts = torch.empty(world, dtype=torch.int64, device=active.device)
-    transport.launched(group, "all_gather_into_tensor")
-    dist.all_gather_into_tensor(counts, mine, group=group)
-    return Selection(active, tuple(counts.tolist()))
-
-
 def whole_is_smaller(k: int, s: int, row_bytes: int) -> bool:
     """Whether sending all ``s`` rows (in order, no indices) takes no more bytes than ``k`` rows
     with their indices."""
@@ -171,15 +160,15 @@ def view_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (data if aligned else data.clone()).view(dtype)
 
 
-def _runs(ranks: Sequence[int]) -> list[tuple[int, ...]]:
+def runs(ranks: Sequence[int]) -> list[tuple[int, ...]]:
     """``ranks`` (increasing) as runs of consecutive ranks."""
-    runs: list[list[int]] = []
+    found: list[list[int]] = []
     for j in ranks:
-        if runs and runs[-1][-1] == j - 1:
-            runs[-1].append(j)
+        if found and found[-1][-1] == j - 1:
+            found[-1].append(j)
         else:
-            runs.append([j])
-    return [tuple(run) for run in runs]
+            found.append([j])
+    return [tuple(run) for run in found]
 
 
 @lru_cache(maxsize=64)
@@ -267,7 +256,7 @@ class SparseHandle:
         if not two_phase:
             sizes = [self._bytes_from(j) for j in range(w)]
             # Other nodes' pieces, placed together per run of consecutive group ranks (back to back).
-            self._runs = _runs(remote)
+            self._runs = runs(remote)
             self._sizes = sizes
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
                 pieces = []
@@ -406,7 +395,7 @@ class SparseHandle:
         rows = view_bytes(pieces[:, index:], self._rows_dtype).view(n, p, k, self._width)
         # Row (j, plane, token) of ``into`` as one index: (j * P + plane) * s + token.
         at = (_plane_rows(tuple(sources), p, s, into.device) + active.view(-1, 1, k)).view(-1)
-        residuals.apply(into.view(-1, d), rows.reshape(-1, d), at, 0, self._residual)
+        residuals.apply(into.view(-1, d), rows.reshape(-1, self._width), at, 0, self._residual)
 
     def _place(self, into: torch.Tensor, j: int, piece: torch.Tensor) -> None:
         if self._level.fast(j):

@@ -134,7 +134,7 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
     for processor in processors:
         processor.clock = clock
         if exchanger.slow_level is not None and processor.v_major is None:
-            processor.v_major = policy.Layer(clock, settings, exchanger.group)
+            processor.v_major = policy.Layer(clock, settings, exchanger.slow_level.remote)
     if exchanger.slow_level is not None:
         logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
     if exchanger.ring_remote:

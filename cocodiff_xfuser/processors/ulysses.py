@@ -178,10 +178,8 @@ class _Covered:
         commstats.count_v_major_time(time.perf_counter() - bookkeeping)
         commstats.count_v_major_sparse("+".join(names))
         planes = n * b * local_heads  # [W, n, b, h/W, s, d] as [W, planes, s, d]
-        if names == ("o",):  # the receivers' tokens, a different number per receiver where counts are agreed
-            rows = {j: r.reshape(planes, r.shape[3], d) for j, r in rows.items()}
-        else:
-            rows = rows.view(world, planes, rows.shape[4], d)
+        # The rows for each rank on another node: [n, b, h/W, k, d'] (d' = d, or int4's bytes) as [planes, k, d'].
+        rows = {j: r.reshape(planes, r.shape[3], r.shape[4]) for j, r in rows.items()}
         received = step.caches.received[names[0]] if len(names) == 1 else step.caches.joined("received", names)
         self.handle = exchanger.start_sparse(
             stacked.view(world, planes, s, d), rows, step.selection, received.reshape(world, planes, s, d), label, residual,

@@ -414,7 +414,7 @@ def format_report(r: dict) -> str:
     lines.append(f"  recommended: {r['recommended_flags']} ({r['recommended_step_s'] * 1e3:.1f} ms per step; best stock "
                  f"{r['best_stock_flags']}: {r['best_stock_step_s'] * 1e3:.1f} ms)")
     vm = r["v_major"]
-    if vm and r["min_psnr_db"] is None:
+    if vm and vm["recommended"] and r["min_psnr_db"] is None:
         what = f"{vm['layout']} {vm['flag']}" if vm["layout"] else vm["flag"]
         lines.append(f"  optional, lossy: {what} ({vm['note']}; --min-psnr DB lets the check "
                      "recommend it where its measured PSNR meets DB)")

@@ -25,7 +25,9 @@ One exchange of ``x`` bytes per rank over a group is priced per link level:
   emulated runs the stock step time minus its communication; on GPU presets a FLOP count at a
   stated TFLOP/s); V-Major scales the slow level's Q/K/V bytes by the active fraction and the
   residual dtype (defaults from ``docs/results/sweep-v-major-budget-digits-flux.json``); ring attention passes K/V
-  ``R - 1`` times per layer, hidden behind attention compute where it fits.
+  ``R - 1`` times per layer, hidden behind attention compute where it fits. V-Major's own kernels
+  are priced from ``bench kernels`` on one H100, scaled by memory bandwidth on other GPUs, and the
+  plan says below which link speed the bytes they save are worth their time.
 
 Validation (``--validate``): every shipped measurement in ``docs/results`` the model can predict
 (a2a: flat and hierarchical at every size, fabric and shape, and the chosen exchange where it is
@@ -70,9 +72,32 @@ RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
 HOST_RUN = "host-tiny-flux.json"
 #: V-Major's own work per layer (ranking tokens by change, encoding and applying residuals), as
 #: ``bench kernels`` measured it on one GPU kernel by kernel (as an uncompiled xfuser job launches
-#: it): the shipped runs, fitted per byte of V a rank holds, price it on the presets of that GPU.
+#: it): the shipped runs, fitted per byte of V a rank holds, price it as measured on the presets of
+#: a measured GPU, and scaled from :data:`KERNEL_GPU`'s by memory bandwidth on the others (its kernels
+#: stream V and its residuals through memory: ranking, fp8 encode, apply).
 KERNELS = "kernels-*.json"
-KERNEL_GPUS = {"dgx-h100": "H100"}
+KERNEL_GPU = "H100"
+#: Published memory bandwidth (bytes/s) of one device as torch names it (a substring of
+#: ``torch.cuda.get_device_name()`` / ``torch.xpu.get_device_name()``; the longest match wins).
+DEVICE_MEMORY_BPS = {
+    "H100": 3.35e12,  # H100 SXM, HBM3 (NVIDIA H100 datasheet); torch: "NVIDIA H100 80GB HBM3"
+    "H100 PCIe": 2.0e12,  # NVIDIA H100 datasheet, PCIe
+    "H100 NVL": 3.9e12,  # NVIDIA H100 datasheet, NVL
+    "H200": 4.8e12,  # HBM3e (NVIDIA H200 datasheet, SXM and NVL)
+    "A100": 1.555e12,  # A100 40GB, HBM2 (NVIDIA A100 datasheet, SXM and PCIe)
+    "A100-SXM4-80GB": 2.039e12,  # NVIDIA A100 datasheet, 80GB SXM
+    "A100 80GB PCIe": 1.935e12,  # NVIDIA A100 datasheet, 80GB PCIe
+    "L40S": 864e9,  # GDDR6 (NVIDIA L40S datasheet)
+    # One stack (tile): 3.2768 TB/s per 2-stack GPU (Intel ark, Data Center GPU Max 1550); with
+    # ZE_FLAT_DEVICE_HIERARCHY=FLAT (Aurora's default) torch sees each stack as a device of this name.
+    "Max 1550": 3.2768e12 / 2,
+}
+#: Each topology preset's GPU (a key of :data:`DEVICE_MEMORY_BPS`, as its configs/<preset>.yaml
+#: describes it), and the preset an emulated fabric stands for: the fabrics run on a CPU host, so
+#: V-Major's kernels there are priced on the GPU of the cluster they emulate.
+PRESET_GPUS = {"dgx-h100": "H100", "dgx-h200": "H200", "aurora": "Max 1550", "pcie-8gpu": "L40S"}
+EMULATES = {"rail": "dgx-h100", "shared-uplink": "dgx-h100", "aurora-like": "aurora"}
+MEMORY_BPS = {preset: DEVICE_MEMORY_BPS[gpu] for preset, gpu in PRESET_GPUS.items()}
 #: What real collectives achieved on a preset's hardware, where a source measured it: the
 #: uncalibrated plan says it beside its line-rate prices.
 MEASURED = {
@@ -664,6 +689,7 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
                 "v_first": coco is vfirst and U > 1, "v_hidden_s": coco["v_hidden_s"], "ring_s": ring_s, "algorithms": coco["algorithms"],
                 "compute_s": compute, "host_s": host_s, "step_s": compute + coco["comm_s"] + ring_s + host_s,
                 "stock_step_s": compute + stock["comm_s"] + ring_s,
+                "ring_bytes_per_step": sum(n * nb for (n, nb), _ in coco["ring"]),
                 # With V-Major on the ring's K/V (lossy; None where the ring stays inside a node).
                 "ring_v_major_step_s": None if ring_v_major_s is None else compute + coco["comm_s"] + ring_v_major_s + host_s,
             })
@@ -672,7 +698,6 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
     rows.sort(key=lambda r: r["step_s"])
     best = rows[0]
     best_stock = min(rows, key=lambda r: r["stock_step_s"])
-    slow = full.subgroup(best["ulysses"])
     # Stock where cocodiff's predicted step, its own host time included, is no shorter.
     stock_wins = best_stock["stock_step_s"] <= best["step_s"]
     chosen = best_stock if stock_wins else best
@@ -681,49 +706,6 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
         flags.append("--use_cfg_parallel")
     if not stock_wins:
         flags += ["--sp-backend", "cocodiff"] + (["--cocodiff-v-first"] if best["v_first"] else [])
-    vmaj = None
-    # V-Major's own work per layer on the tensors it ranks and encodes (``tensors`` of the size of the
-    # V a rank holds: [s / (U R)] tokens x every head), where its kernels were measured.
-    cost = v_major_layer_cost(KERNEL_GPUS[cluster]) if cluster in KERNEL_GPUS else None
-    priced = ("its kernels priced at {:.2f} ms per step (measured on one " + KERNEL_GPUS[cluster] + ")"
-              if cost is not None else "its kernels not priced (measured on no GPU of this preset)")
-
-    def v_major_work(row: dict, tensors: int) -> float:
-        """Its kernels where priced, and its host time per layer (measured, :func:`host_costs`)."""
-        b = batch * (2 if spec.cfg and row["cfg"] == 1 else 1)
-        kernels = 0.0 if cost is None else sum(
-            n * (cost[0] + cost[1] * tensors * b * (img + (txt if j else 0)) / (row["ulysses"] * row["ring"])
-                 * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn)
-        return kernels + layers * host["v_major_layer_s"]
-
-    if len(slow.levels) > 1 and slow.levels[0].name == "node":
-        kw = dict(size=size, frames=frames, batch=batch, ulysses=best["ulysses"], ring=best["ring"],
-                  cfg_parallel=best["cfg"] == 2, steps=steps, tflops=tf, v_first=True)
-        measured = v_major_defaults()
-        vm = predict_step(spec, slow, c, v_major=measured["v_major_active_fraction"], **kw)
-        work = v_major_work(best, 1)
-        if vm["comm_s"] + work < 0.8 * best["cocodiff_comm_s"]:
-            vmaj = {"comm_s": vm["comm_s"] + best["ring_s"], "compute_s": work, "flag": "--cocodiff-v-major on",
-                    "note": f"lossy: {measured['psnr_db']:.1f} dB PSNR vs stock on digits-flux at the defaults "
-                            f"({measured['slow_link_bytes_saved_fraction']:.0%} of the slow-link bytes saved; "
-                            f"{priced.format(work * 1e3)}); judge on your model", "layout": None}
-    # V-Major on the ring's K/V (two tensors), on the layout where it predicts the shortest step,
-    # where it saves as much as V-Major on the Ulysses exchanges must (a fifth of the best lossless
-    # communication) and more than V-Major there.
-    ring = min((r for r in rows if r["ring_v_major_step_s"] is not None),
-               key=lambda r: r["ring_v_major_step_s"] + v_major_work(r, 2), default=None)
-    ring_step = None if ring is None else ring["ring_v_major_step_s"] + v_major_work(ring, 2)
-    ulysses_step = None if vmaj is None else best["compute_s"] + vmaj["comm_s"] + vmaj["compute_s"]
-    if ring_step is not None and ring_step < best["step_s"] - 0.2 * best["cocodiff_comm_s"] and (
-            ulysses_step is None or ring_step < ulysses_step):
-        measured, work = ring_v_major_measured(), v_major_work(ring, 2)
-        vmaj = {"comm_s": ring["ring_v_major_step_s"] - ring["compute_s"], "compute_s": work, "flag": "--cocodiff-v-major on",
-                "layout": f"--ulysses_degree {ring['ulysses']} --ring_degree {ring['ring']}"
-                          + (" --use_cfg_parallel" if ring["cfg"] == 2 else "") + " --sp-backend cocodiff"
-                          + (" --cocodiff-v-first" if ring["v_first"] else ""),
-                "note": f"lossy, on the ring's K/V across nodes: {measured['psnr_db']:.1f} dB PSNR vs stock on digits-flux "
-                        f"at the defaults ({measured['slow_link_bytes_saved_fraction']:.0%} of the slow-link bytes saved; "
-                        f"{priced.format(work * 1e3)}); judge on your model"}
     return {"model": spec.name, "model_source": spec.source, "size": size, "frames": frames, "batch": batch,
             "steps": steps, "cluster": cluster, "nodes": nodes, "world": W, "levels": full.describe(),
             "tokens": {"image": img, "text": txt}, "calibrated": calibrated, "calibration": calibration,
@@ -735,7 +717,110 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
                             **{k: chosen[k] for k in ("ulysses", "ring", "cfg")}},
             "best_stock": best_stock,
             "speedup_vs_best_stock": best_stock["stock_step_s"] / min(best["step_s"], best_stock["stock_step_s"]),
-            "v_major": vmaj}
+            "v_major": v_major_plan(spec, full, c, rows, cluster, size=size, frames=frames, batch=batch, steps=steps,
+                                    tflops=tf)}
+
+
+def v_major_plan(spec: ModelSpec, full: Cluster, c: Coeffs, rows: List[dict], cluster: Optional[str], *, size: int,
+                 frames: int, batch: int, steps: int, tflops: float) -> Optional[dict]:
+    """V-Major where the layout crosses nodes (None elsewhere): on the Ulysses exchanges of the best
+    layout, or on the ring's K/V; recommended where it saves a fifth of the best lossless
+    communication, its kernels and host time included, else said why not."""
+    best, host, (cost, priced) = rows[0], host_costs(), v_major_kernel_cost(cluster)
+    img, txt = spec.tokens(size, frames)
+    slow = full.subgroup(best["ulysses"])
+
+    def kernels_s(row: dict, tensors: int) -> float:
+        """Its kernels per step on ``tensors`` of the size of the V a rank holds ([s / (U R)] tokens x
+        every head), what the fit is per byte of."""
+        b = batch * (2 if spec.cfg and row["cfg"] == 1 else 1)
+        return sum(n * (cost[0] + cost[1] * tensors * b * (img + (txt if j else 0)) / (row["ulysses"] * row["ring"])
+                        * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn)
+
+    def work_s(row: dict, tensors: int) -> float:
+        return kernels_s(row, tensors) + spec.layers * host["v_major_layer_s"]
+
+    def section(row: dict, tensors: int, slow_bytes: float, measured: dict, comm_s: float, layout: Optional[str],
+                on: str) -> dict:
+        """``slow_bytes``: what a rank sends across nodes per step in the exchanges V-Major gates; it
+        saves the share :func:`predict_step` takes off them, and pays on links slower than those bytes
+        per second of its kernels."""
+        kernels = kernels_s(row, tensors)
+        saved = slow_bytes * (1 - v_major_scale(spec, measured["v_major_active_fraction"], steps)) / spec.layers
+        work = work_s(row, tensors)
+        return {"on": on, "recommended": False, "flag": "--cocodiff-v-major on", "layout": layout, "comm_s": comm_s,
+                "compute_s": work, "v_major_kernel_s": kernels / spec.layers, "kernels_priced": priced,
+                "slow_link_bytes_saved_per_layer": saved, "v_major_break_even_gbps": saved / kernels * spec.layers / 1e9,
+                "note": f"lossy, on {on}: {measured['psnr_db']:.1f} dB PSNR vs stock on digits-flux at the "
+                        f"defaults ({measured['slow_link_bytes_saved_fraction']:.0%} of the slow-link bytes saved; its "
+                        f"kernels and host time {work * 1e3:.2f} ms per step, its kernels {priced}); judge on your model"}
+
+    def work_text(sec: dict) -> str:
+        kernels = sec["v_major_kernel_s"] * spec.layers
+        return f"its kernels {kernels * 1e3:.2f} ms and host time {(sec['compute_s'] - kernels) * 1e3:.2f} ms per step"
+
+    ulysses = None
+    if len(slow.levels) > 1 and slow.levels[0].name == "node":
+        measured = v_major_defaults()
+        vm = predict_step(spec, slow, c, v_major=measured["v_major_active_fraction"], size=size, frames=frames,
+                          batch=batch, ulysses=best["ulysses"], ring=best["ring"], cfg_parallel=best["cfg"] == 2,
+                          steps=steps, tflops=tflops, v_first=True)
+        nodes = slow.levels[0].size  # a rank sends (N-1)/N of every exchange across nodes, flat or TAPA
+        ulysses = section(best, 1, vm["bytes"] * (nodes - 1) / nodes, measured, vm["comm_s"] + best["ring_s"], None,
+                          f"the Ulysses exchanges across nodes at U{best['ulysses']} R{best['ring']}"
+                          + (" cfg 2" if best["cfg"] == 2 else ""))
+        ulysses["recommended"] = vm["comm_s"] + ulysses["compute_s"] < 0.8 * best["cocodiff_comm_s"]
+        if not ulysses["recommended"]:
+            ulysses["note"] = (f"not recommended: its predicted communication {vm['comm_s'] * 1e3:.2f} ms, "
+                               f"{work_text(ulysses)}, do not save a fifth of the best lossless communication "
+                               f"({best['cocodiff_comm_s'] * 1e3:.2f} ms per step)")
+    # On the ring's K/V (two tensors), on the layout where it predicts the shortest step, where it saves
+    # as much as V-Major on the Ulysses exchanges must (a fifth of the best lossless communication)
+    # and more than V-Major there.
+    row = min((r for r in rows if r["ring_v_major_step_s"] is not None),
+              key=lambda r: r["ring_v_major_step_s"] + work_s(r, 2), default=None)
+    if row is None:
+        return ulysses
+    measured = ring_v_major_measured()
+    ring = section(row, 2, row["ring_bytes_per_step"], measured, row["ring_v_major_step_s"] - row["compute_s"],
+                   f"--ulysses_degree {row['ulysses']} --ring_degree {row['ring']}"
+                   + (" --use_cfg_parallel" if row["cfg"] == 2 else "") + " --sp-backend cocodiff"
+                   + (" --cocodiff-v-first" if row["v_first"] else ""), "the ring's K/V across nodes")
+    ring_step = row["ring_v_major_step_s"] + ring["compute_s"]
+    ulysses_step = best["compute_s"] + ulysses["comm_s"] + ulysses["compute_s"] if ulysses else None
+    ring["recommended"] = ring_step < best["step_s"] - 0.2 * best["cocodiff_comm_s"] and not (
+        ulysses and ulysses["recommended"] and ulysses_step <= ring_step)
+    if ring["recommended"] or ulysses is not None:
+        return ring if ring["recommended"] else ulysses
+    ring["note"] = (f"not recommended: on the ring's K/V at {ring['layout']} its predicted step, {work_text(ring)} "
+                    f"included, {ring_step * 1e3:.2f} ms, is not a fifth of the best lossless communication "
+                    f"({best['cocodiff_comm_s'] * 1e3:.2f} ms) below the best step ({best['step_s'] * 1e3:.2f} ms)")
+    return ring
+
+
+def device_memory_bps(name: str) -> Optional[float]:
+    """The published memory bandwidth (bytes/s) of the device torch names ``name``
+    (:data:`DEVICE_MEMORY_BPS`, the longest key it contains); None where none is known."""
+    keys = [k for k in DEVICE_MEMORY_BPS if k in name]
+    return DEVICE_MEMORY_BPS[max(keys, key=len)] if keys else None
+
+
+def v_major_kernel_cost(cluster: Optional[str]) -> Tuple[Tuple[float, float], str]:
+    """V-Major's seconds per layer on ``cluster``'s GPU as ``(fixed, per byte of V)`` and how they
+    were priced: as measured where the shipped runs measured that GPU, else :data:`KERNEL_GPU`'s
+    fit with both terms scaled by memory bandwidth; a cluster of no known GPU (a preset file of its
+    own, a calibration's cluster) is priced as :data:`KERNEL_GPU`."""
+    preset = EMULATES.get(cluster, cluster)
+    gpu = PRESET_GPUS.get(preset, KERNEL_GPU)
+    where = (f", as on {preset}: {cluster} is emulated on this CPU host" if cluster in EMULATES
+             else "" if preset in PRESET_GPUS else ", assumed here: this cluster's GPU is not known")
+    own = v_major_layer_cost(gpu)
+    if own is not None:
+        return own, f"measured on one {gpu}{where}"
+    fixed, per_byte = v_major_layer_cost(KERNEL_GPU)
+    scale = DEVICE_MEMORY_BPS[KERNEL_GPU] / MEMORY_BPS[preset]
+    return (fixed * scale, per_byte * scale), (f"scaled from one {KERNEL_GPU} by memory bandwidth, "
+                                               f"{DEVICE_MEMORY_BPS[KERNEL_GPU] / 1e12:.3g} -> {MEMORY_BPS[preset] / 1e12:.3g} TB/s{where}")
 
 
 def v_major_layer_cost(gpu: str) -> Optional[Tuple[float, float]]:
@@ -843,7 +928,12 @@ def run_cli(args: argparse.Namespace) -> int:
     why = " (stock: cocodiff's predicted step, its host time included, is no shorter)" if rep["recommended"]["backend"] == "stock" else ""
     print(f"recommended: {rep['recommended']['flags']}{why}")
     vm = rep["v_major"]
-    if vm:
-        what = f"{vm['layout']} {vm['flag']}" if vm["layout"] else f"add {vm['flag']}"
-        print(f"optional, lossy: {what} (comm {vm['comm_s'] * 1e3:.2f} ms/step; {vm['note']})")
+    if vm is None:
+        return 0
+    print(f"V-Major pays below {vm['v_major_break_even_gbps']:.1f} GB/s per GPU link (its kernels: "
+          f"{vm['v_major_kernel_s'] * 1e6:.0f} us per layer, {vm['kernels_priced']}; "
+          f"{vm['slow_link_bytes_saved_per_layer'] / 2**20:.2f} MiB per layer saved on {vm['on']})")
+    what = f"{vm['layout']} {vm['flag']}" if vm["layout"] else f"add {vm['flag']}"
+    print(f"optional, lossy: {what} (comm {vm['comm_s'] * 1e3:.2f} ms/step; {vm['note']})" if vm["recommended"]
+          else f"V-Major {vm['note']}")
     return 0

@@ -280,7 +280,9 @@ FRONTIER_SWEEP = {
     "fp8 slow level": {"compress": "fp8-slow"},
     **{f"all tokens {dtype} residuals{'' if scope == 'qkv' else ' ' + scope}": {
         "policy": "top-k", "fraction": 1.0, "scope": scope, "residual_dtype": full}
-       for dtype, full in (("fp8", "float8_e4m3fn"), ("bf16", "bfloat16")) for scope in ("qkv", "qkvo")},
+       for dtype, full in (("int4", "int4"), ("fp8", "float8_e4m3fn"), ("bf16", "bfloat16")) for scope in ("qkv", "qkvo")},
+    **{f"budget {e:g} qkvo int4": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "int4"}
+       for e in (0.01, 0.02, 0.03, 0.05)},
     **{f"budget {e:g}": {"policy": "budget", "error": e, "scope": "qkv", "residual_dtype": "float8_e4m3fn"} for e in (0.03, 0.05, 0.1)},
     **{f"budget {e:g} qkvo": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "float8_e4m3fn"}
        for e in (0.01, 0.02, 0.03, 0.05)},

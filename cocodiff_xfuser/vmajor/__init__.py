@@ -14,10 +14,11 @@ and K follow, a sparse step's V rows ride in Q/K's exchange (:attr:`.policy.Step
 Decisions that change which collectives run (full or sparse exchange at this step, whether a
 layer fits the cache budget, how many rows each rank sends) depend only on the step, the shapes,
 the settings and agreed values, which every rank shares; the selected rows are rank-local and
-travel, with their indices, in the exchange. The policies ``top-k``, ``schedule`` and ``budget``
-fix each rank's count on the host, so a layer's exchange needs no agreement and no host
-synchronization; ``threshold``'s count depends on the data: each layer reads it (one host
-synchronization) and agrees the counts (one all-gather of integers).
+travel, with their indices, in the exchange. Every policy fixes each rank's count on the host
+before the layer runs, so a layer's exchange needs no agreement and no host synchronization:
+``top-k`` and ``schedule`` from the settings and the step, ``budget`` and ``threshold`` from the
+shares their layers measured at earlier steps, agreed once per step. Tokens are ranked by integer
+sums and a stable sort (:func:`.policy.decide`): the same tokens on every device.
 
 ``budget`` (what ``--cocodiff-v-major auto`` runs) sends, per layer, the fewest tokens that keep the
 relative L2 error of V as the receivers hold it within ``error``: every layer measures at every

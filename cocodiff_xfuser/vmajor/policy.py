@@ -13,6 +13,7 @@ import torch
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residuals, sparse
 from cocodiff_xfuser.settings import SCOPES, Budget, Schedule, Threshold, TopK, VMajorSettings
+from cocodiff_xfuser.vmajor import change_kernels
 from cocodiff_xfuser.vmajor.clock import Clock
 from cocodiff_xfuser.vmajor.state import Caches, cache_bytes
 
@@ -20,12 +21,13 @@ logger = logging.getLogger("cocodiff_xfuser")
 
 
 class Layer:
-    """The V-Major state of one attention layer (owned by its V-First processor), whose exchanges run
-    over the Ulysses ``group`` (where a threshold's counts are agreed: the clock's group is the world
-    where the ring crosses nodes too, and a sparse exchange reads counts by Ulysses-group rank)."""
+    """The V-Major state of one attention layer (owned by its V-First processor), whose exchanges
+    send the chunks of the group ranks ``crossing`` over slow links (the others are node-mates')."""
 
-    def __init__(self, clock: Clock, settings: VMajorSettings, group: Any = None) -> None:
-        self.clock, self.settings, self.group = clock, settings, group
+    def __init__(self, clock: Clock, settings: VMajorSettings, crossing: tuple[int, ...]) -> None:
+        self.clock, self.settings = clock, settings
+        #: ``crossing`` as runs of consecutive group ranks, ``(first, last + 1)``: slices of the chunks.
+        self.runs = [(run[0], run[-1] + 1) for run in sparse.runs(crossing)]
         self.index = clock.layers
         clock.layers += 1
 
@@ -64,55 +66,66 @@ class Layer:
                 return Step(self, None, None)
             caches = call.caches[key] = Caches(tuple(v.shape))
         residual = settings.residual
-        # Ranked by change over all but batch and token (dim 4 of [W, 1, b, h/W, s, d]).
-        selection = decide(self, v, caches.reference.get("v"), 4, (0, 1, 3, 5), _row_bytes(v, residual) if residual else 0,
-                           self.group if self.group is not None else clock.agreement_group(), v.shape[0])
+        # Ranked by the change of the chunks that cross nodes, over all but batch and token (dim 4
+        # of [W, 1, b, h/W, s, d]): what the receivers there hold.
+        reference = caches.reference.get("v")
+        crossing = self._crossing(v)
+        selection = decide(self, crossing, None if reference is None else self._crossing(reference), 4, (0, 1, 3, 5),
+                           _row_bytes(v, residual) if residual else 0, v.shape[0])
         return Step(self, caches, None if selection is None else selection.active, selection)
+
+    def _crossing(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunks of ``x`` (dim 0) that go to other nodes: a view where they are one run."""
+        if len(self.runs) == 1:
+            return x[self.runs[0][0]:self.runs[0][1]]
+        return torch.cat([x[first:last] for first, last in self.runs])
 
 
 def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_dim: int, select_dims: tuple[int, ...],
-           token_bytes: int, group: Any, world: int) -> sparse.Selection | None:
+           token_bytes: int, world: int) -> sparse.Selection | None:
     """The one V-Major decision of a layer call, Ulysses (:class:`Layer`) or ring
     (:class:`~cocodiff_xfuser.vmajor.ring.RingLayer`), at its clock's current step: None for the
     exact exchange (every token, as values: the first step, a refresh, or every token being no more
-    bytes), else this rank's active tokens of ``x`` along ``token_dim`` (ranked over ``select_dims``)
-    and every rank's count over ``group`` of ``world`` ranks: fixed by the policy and the step, or
-    (threshold) agreed here, at V's or the ring's exchange, the same program point on every rank
-    (the layer's other exchanges reuse it). ``token_bytes``: one token's row in the residual dtype."""
-    settings, clock, index = layer.settings, layer.clock, layer.index
+    bytes), else this rank's active tokens of ``x`` along ``token_dim`` (ranked over ``select_dims``),
+    as many on each of the ``world`` ranks of its group: fixed by the policy and the step, or, where
+    the data decides (threshold, budget), the share its layer needed at an earlier step, agreed over
+    the clock (:meth:`Clock.need`). ``token_bytes``: one token's row in the residual dtype.
+
+    The selection is the same on every device for the same data: changes are summed as integers
+    and ranked by a stable sort (ties to the lower token index left out first), and no value is
+    read on the host."""
+    settings, clock, index, rule = layer.settings, layer.clock, layer.index, layer.settings.rule
     step, tokens = clock.current.step, x.shape[token_dim]
-    ranked = None  # policy budget: the tokens by their change, smallest first, measured at every step
-    if isinstance(settings.rule, Budget) and reference is not None:
-        share, ranked = share_needed(squared_change(x, reference, token_dim), x, settings.rule.error)
+    change = None  # per token: the change the policy ranks by
+    if reference is not None and isinstance(rule, (Budget, Threshold)):  # measured at every step, for later ones
+        change, share = measure(rule, x, reference, token_dim, select_dims)
         clock.need(index, share)
     k = None if reference is None else count(settings, clock, index, step, tokens)
-    if step < settings.warmup_steps or (isinstance(settings.rule, Budget) and clock.shares_now() is None):
+    if step < settings.warmup_steps or k is None:
         k = tokens  # warm-up, or nothing measured yet
     residual = settings.residual
-    if k is not None and residual is not None and sparse.whole_is_smaller(k, tokens, token_bytes):
+    if residual is not None and sparse.whole_is_smaller(k, tokens, token_bytes):
         k = tokens  # every token, without indices, is no more bytes
     if (
         reference is None
         or (settings.refresh_every and step % settings.refresh_every == 0)
-        or (k is not None and k >= tokens and residual is None)  # every token as values: the exact exchange is smaller
+        or (k >= tokens and residual is None)  # every token as values: the exact exchange is smaller
     ):
         commstats.count_v_major(step, index, tokens, tokens)
         return None
-    if k is not None and k >= tokens:  # every token, as residuals: in order, so no index travels
+    if k >= tokens:  # every token, as residuals: in order, so no index travels
         active = torch.arange(tokens, device=x.device)
     else:
-        active = ranked[tokens - k:] if ranked is not None else select(settings.rule, x, reference, k, dims=select_dims)
-    commstats.count_v_major(step, index, active.numel(), tokens)
-    if isinstance(settings.rule, Threshold):
-        return sparse.agree_counts(active, group)
+        if change is None:
+            change = token_change(rule.metric, x, reference, token_dim, select_dims)
+        active = torch.sort(change, stable=True).indices[tokens - k:]
+    commstats.count_v_major(step, index, k, tokens)
     return sparse.Selection.fixed(active, world)
 
 
-
 def count(settings: VMajorSettings, clock: Clock, layer: int, step: int, s: int) -> int | None:
-    """How many of its ``s`` tokens a rank sends at ``step`` in ``layer`` (its index on ``clock``),
-    where the policy fixes it (the same on every rank); None for ``threshold``, whose count the data
-    decides."""
+    """How many of its ``s`` tokens a rank sends at ``step`` in ``layer`` (its index on ``clock``):
+    fixed by the policy, or the agreed share its layer needed before (None: none yet)."""
     rule = settings.rule
     if isinstance(rule, TopK):
         return math.ceil(rule.fraction * s)
@@ -120,48 +133,75 @@ def count(settings: VMajorSettings, clock: Clock, layer: int, step: int, s: int)
         ramp = max(_total_steps() - settings.warmup_steps, 1)
         cached = rule.final_cached * min((step - settings.warmup_steps + 1) / ramp, 1.0)
         return math.ceil((1.0 - cached) * s)
-    shares = clock.shares_now() if isinstance(rule, Budget) else None
-    if shares is not None:
-        return min(math.ceil(shares[layer] * s), s)
-    return None
+    shares = clock.shares_now()
+    return None if shares is None else min(math.ceil(shares[layer] * s), s)
 
 
-def select(rule: Any, x: torch.Tensor, reference: torch.Tensor, k: int | None, dims: tuple[int, ...]) -> torch.Tensor:
-    """The active tokens of the policies that rank by a metric (threshold, top-k, schedule): indices
-    into the last dim left after reducing ``dims`` (``k`` of them where the policy fixes the count,
-    on the device without a host synchronization); a token's change is its largest over the dims
-    left (the batch)."""
-    diff = (x - reference).float()
-    if rule.metric == "l1":
-        change = diff.abs().mean(dim=dims)
+def measure(rule: Budget | Threshold, x: torch.Tensor, reference: torch.Tensor, token_dim: int,
+            select_dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the change ``rule`` ranks by, and the share of tokens it would send now (a device
+    scalar): budget, the fewest tokens (largest squared change first) leaving V's relative L2 error
+    as the receivers hold it within ``rule.error``; threshold, those whose change exceeds it."""
+    if isinstance(rule, Threshold):
+        change = token_change(rule.metric, x, reference, token_dim, select_dims)
+        bound = rule.threshold**2 if rule.metric == "rel-l2" else rule.threshold
+        return change, (change > bound).sum().float() / change.numel()
+    others = tuple(d for d in range(x.dim()) if d != token_dim)
+    # Per token, the squared change and V's squared norm, [s] int64 each, exact.
+    (squared, scale), (norms, norm_scale) = _sums(("squared change", "squared value"), x, reference, others)
+    ordered = squared.sort(stable=True).values
+    allowed = norms.sum().double() * norm_scale * rule.error**2
+    left_out = (ordered.cumsum(0).double() * scale <= allowed).sum()
+    return squared, 1.0 - left_out.float() / squared.numel()
+
+
+def token_change(metric: str, x: torch.Tensor, reference: torch.Tensor, token_dim: int,
+                 select_dims: tuple[int, ...]) -> torch.Tensor:
+    """Per token along ``token_dim``, its change by ``metric`` over ``select_dims`` (float64 ``[s]``;
+    rel-l2 squared, which ranks alike), the largest over the dims left (the batch): the same bits
+    on every device."""
+    if metric == "l1":
+        (sums, scale), _ = _sums(("absolute change", "absolute change"), x, reference, select_dims)
+        change = sums.double() * scale / math.prod(x.shape[d] for d in select_dims)  # the mean
     else:
-        norm = torch.linalg.vector_norm(reference.float(), dim=dims)
-        change = torch.linalg.vector_norm(diff, dim=dims) / norm.clamp_min(torch.finfo(torch.float32).tiny)
-    change = change.reshape(-1, change.shape[-1]).amax(0)  # [s]
-    if k is None:
-        return (change > rule.threshold).nonzero().flatten()
-    return change.topk(k).indices
+        (sums, scale), (norms, norm_scale) = _sums(("squared change", "squared reference"), x, reference, select_dims)
+        change = (sums.double() * scale) / (norms.double() * norm_scale).clamp_min(torch.finfo(torch.float64).tiny)
+    left = [d for d in range(x.dim()) if d not in select_dims]
+    return change.movedim(left.index(token_dim), -1).reshape(-1, x.shape[token_dim]).amax(0)
 
 
-def squared_change(v: torch.Tensor, reference: torch.Tensor, token_dim: int = 4) -> torch.Tensor:
-    """Per token (along ``token_dim``), ``||v - reference||^2`` over everything else (batch included): ``[s]``."""
-    return (v - reference).float().square().sum(dim=tuple(d for d in range(v.dim()) if d != token_dim))
+def _sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims: tuple[int, ...]
+          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`integer_sums` over ``dims`` of two quantities of ``x`` and ``reference`` (names of
+    :data:`.change_kernels.KINDS`): two fused kernels where they run, the torch reference elsewhere."""
+    if change_kernels.usable(x, reference):
+        return change_kernels.sums(kinds, x, reference, dims)
+    diff = x.float() - reference.float()
+    values = {"squared change": lambda: diff.square(), "absolute change": lambda: diff.abs(),
+              "squared reference": lambda: reference.float().square(), "squared value": lambda: x.float().square()}
+    done = {kind: integer_sums(values[kind](), dims) for kind in dict.fromkeys(kinds)}
+    return [done[kind] for kind in kinds]
 
 
-def share_needed(change: torch.Tensor, v: torch.Tensor, error: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest share of tokens whose sending (largest ``change`` first) leaves the relative L2
-    error of V as the receivers hold it within ``error`` (a device scalar), and the tokens ranked
-    by ``change``, smallest first (the share's tokens are the last ones): the tokens left out are
-    the longest prefix whose changes sum within the budget."""
-    ordered, ranked = change.sort()
-    flat = v.float().flatten()
-    left_out = (ordered.cumsum(0) <= flat.dot(flat) * error**2).sum()
-    return 1.0 - left_out / change.numel(), ranked
+def integer_sums(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums over ``dims`` of ``t`` (float32, >= 0) in fixed point, and the scale that makes them
+    values (int64 sums, float64 scalar): every element at one power-of-two scale, floored to an
+    integer, so sums (and their running sums) are exact in any order. The scale puts the largest
+    element below ``2**62 / t.numel()``: no sum of them overflows."""
+    exponent = ((t.amax().view(torch.int32) >> 23) & 0xFF).long() - 126  # t < 2**exponent
+    shift = 62 - t.numel().bit_length() - exponent
+    up, down = _pow2(shift), _pow2(-shift)
+    return torch.floor(t.double() * up).long().sum(dims), down
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2.0**e`` (float64, ``e`` an int64 scalar in [-1022, 1023]) from its bits: exact everywhere."""
+    return ((e + 1023) << 52).view(torch.float64)
 
 
 def _row_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
-    """One token's row of V (``[W, 1, b, h/W, s, d]``) for one destination, in ``dtype``."""
-    return v.shape[2] * v.shape[3] * v.shape[5] * dtype.itemsize
+    """One token's row of V (``[W, 1, b, h/W, s, d]``) for one destination, as a residual in ``dtype``."""
+    return v.shape[2] * v.shape[3] * residuals.row_bytes(v.shape[5], dtype)
 
 
 def _total_steps() -> int:
@@ -211,9 +251,9 @@ class Step:
         A full step sends everything: the reference becomes ``x``. A sparse one sends the active
         tokens, as values, or as their change since the reference rounded to the residual dtype
         (the rounding error stays in the reference's distance to V, so it is sent later: error
-        feedback). The input exchanges send this rank's active tokens to everyone (a tensor,
-        ``[W, n, b, h/W, k, d]``); the output exchange ('o') sends each rank on another node its
-        own active tokens (a dict, group rank -> ``[n, b, h/W, k_j, d]``).
+        feedback). Either way to each rank on another node (group rank -> ``[n, b, h/W, k, d']``,
+        ``d'`` = ``d``, or int4's bytes per row): the input exchanges this rank's active tokens, the
+        output exchange ('o') that rank's own active tokens.
         """
         caches, residual = self.caches, self.layer.settings.residual
         name = names[0]
@@ -221,25 +261,35 @@ class Step:
             if name == "v" or residual is not None:
                 caches.reference[name] = x
             return x, False
+        active = self.selection.active
         if len(names) > 1 and residual is not None:
-            return residuals.encode(x, caches.joined("reference", names), self.selection.active, 4, residual), True
+            return self._crossing(x, caches.joined("reference", names), active, residual), True
         if len(names) > 1:  # values: only V's reference is kept
-            first, sent = 0, []
+            first, parts = 0, []
             for name in names:
-                reference = caches.reference.get(name)
                 n = caches.received[name].shape[1]
-                sent.append(residuals.encode(x[:, first:first + n], reference, self.selection.active, 4, None))
+                parts.append(self._crossing(x[:, first:first + n], caches.reference.get(name), active, None))
                 first += n
-            return torch.cat(sent, dim=1), False
+            return {j: torch.cat([part[j] for part in parts]) for j in parts[0]}, False
         reference = caches.reference.get(name)
-        s = x.shape[4]
         peers = caches.peers
-        if name == "o" and peers and all(active.numel() == s for active in peers.values()):
-            whole = residuals.encode(x, reference, next(iter(peers.values())), 4, residual)  # one pass for every peer
-            sent = {j: whole[j] for j in peers}
+        if name == "o" and peers and all(rows.numel() == x.shape[4] for rows in peers.values()):
+            sent = self._crossing(x, reference, next(iter(peers.values())), residual)  # every token of every peer
         elif name == "o":
-            sent = {j: residuals.encode(x[j], None if reference is None else reference[j], active, 3, residual)
-                    for j, active in peers.items()}
+            sent = {j: residuals.encode(x[j], None if reference is None else reference[j], rows, 3, residual)
+                    for j, rows in peers.items()}
         else:
-            sent = residuals.encode(x, reference, self.selection.active, 4, residual)
+            sent = self._crossing(x, reference, active, residual)
         return sent, residual is not None
+
+    def _crossing(self, x: torch.Tensor, reference: torch.Tensor | None, rows: torch.Tensor,
+                  residual: torch.dtype | None) -> dict[int, torch.Tensor]:
+        """The rows ``rows`` of ``x`` (``[W, n, b, h/W, s, d]``) that go to the ranks on other nodes,
+        encoded per run of consecutive ones (one launch each; views, no copies): group rank ->
+        ``[n, b, h/W, k, d']``. Node-mates get exact chunks, so their rows are not encoded and
+        their chunks of the reference are not kept."""
+        sent: dict[int, torch.Tensor] = {}
+        for first, last in self.layer.runs:
+            part = residuals.encode(x[first:last], None if reference is None else reference[first:last], rows, 4, residual)
+            sent.update(zip(range(first, last), part.unbind(0)))
+        return sent

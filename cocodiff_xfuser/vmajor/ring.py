@@ -97,7 +97,7 @@ class RingLayer:
             caches = call.caches[key] = _Caches()
         reference, residual = caches.reference, settings.residual
         world = transport.group_info(ring.group)[1]
-        selection = decide(self, x, reference, 1, (0, 2), _token_bytes(x, residual) if residual else 0, ring.group, world)
+        selection = decide(self, x, reference, 1, (0, 2), _token_bytes(x, residual) if residual else 0, world)
         if selection is None:
             return RingStep(caches, x, ring.remote, None, None, residual)
         return RingStep(caches, x, ring.remote, selection, residuals.encode(x, reference, selection.active, 1, residual), residual)
@@ -137,10 +137,12 @@ class RingStep:
             for j in self._peers:
                 held[j] = out[j].view(shape).clone()
             return out
-        dtype = self._residual or self._x.dtype
+        # What one token's row travels as: int4 residuals as bytes, others in their dtype.
+        dtype = {None: self._x.dtype, torch.int4: torch.uint8}.get(self._residual, self._residual)
+        width = residuals.row_bytes(shape[2], self._residual) if self._residual == torch.int4 else shape[2]
         for j, pieces in received.items():
             rows = sparse.view_bytes(pieces[0], torch.int32).long() if len(pieces) == 2 else None
-            payload = sparse.view_bytes(pieces[-1], dtype).view(2, self._selection.counts[j], shape[2])
+            payload = sparse.view_bytes(pieces[-1], dtype).view(2, self._selection.counts[j], width)
             residuals.apply(held[j], payload, rows, 1, self._residual is not None)
             out[j].copy_(held[j].view(-1))
         return out
@@ -148,4 +150,4 @@ class RingStep:
 
 def _token_bytes(x: torch.Tensor, residual: torch.dtype | None) -> int:
     """One token's K and V (``x``: ``[2, T, row]``) as they travel: in the residual dtype, or as values."""
-    return 2 * x.shape[2] * (residual or x.dtype).itemsize
+    return 2 * (x.shape[2] * x.element_size() if residual is None else residuals.row_bytes(x.shape[2], residual))

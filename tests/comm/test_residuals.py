@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cocodiff_xfuser.comm.residuals import apply, encode
+from cocodiff_xfuser.comm.residuals import apply, encode, row_bytes
+from cocodiff_xfuser.tools import kernel_check
 
 
 def test_the_receiver_holds_the_reference_and_rounding_errors_are_sent_later():
@@ -53,3 +54,27 @@ def test_cuda_encodes_and_applies_the_cpus_bits():
         apply(held, payload, rows.to(device), 4, is_residual=True)
         out[device] = [t.cpu() for t in (payload.view(torch.uint8), ref, held)]
     assert all(torch.equal(a, b) for a, b in zip(out["cpu"], out["cuda"]))
+
+
+def test_int4_residuals_keep_the_copies_equal_and_send_rounding_errors_later():
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, 64)
+    reference, held = x.clone(), x.clone()
+    every = torch.arange(8)
+    for _ in range(8):
+        x = x + 0.05 * torch.randn_like(x)
+        payload = encode(x, reference, every, 1, torch.int4)
+        assert payload.dtype == torch.uint8 and payload.shape == (3, 8, row_bytes(64, torch.int4)) == (3, 8, 34)
+        apply(held, payload, None, 1, is_residual=True)
+        assert torch.equal(held, reference)
+    assert (held - x).abs().max() < 0.02  # half a scale step: at most 1/8 of a group's largest change
+
+
+@pytest.mark.distributed
+def test_triton_kernels_write_the_references_bytes():
+    """One launch encodes every plane's selected rows and updates the reference, one applies them:
+    under the Triton interpreter, byte for byte what the torch reference does."""
+    pytest.importorskip("triton")
+    report = kernel_check.interpreted()
+    assert report["triton_matches_reference"] is True, report
+    assert report["interpreted"] and report["cases"] >= 10

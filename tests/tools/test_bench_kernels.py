@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from cocodiff_xfuser.tools.bench import kernels
 from cocodiff_xfuser.tools.cli import main
 
 
+@pytest.mark.distributed  # the interpreted Triton kernels run in a process of their own
 def test_reports_the_layer_and_v_major_per_degree(tmp_path, capsys):
     out = tmp_path / "k.json"
     assert main(["bench", "kernels", "--model", "tiny-flux", "--size", "64", "--ulysses", "1,2", "--device", "cpu",
@@ -16,6 +19,11 @@ def test_reports_the_layer_and_v_major_per_degree(tmp_path, capsys):
     assert two["tokens_local"] * 2 == one["tokens_local"] == one["tokens"] and two["heads_local"] * 2 == one["heads_local"]
     assert one["gated_tensors"] == 4  # the default scope gates Q, K, V and the output
     assert all(r["compute_s"] > 0 and r["v_major_s"] > 0 and r["v_first_window_s"] > 0 for r in rep["rows"])
+    # The floor: what the work moves over the memory bandwidth (a timed copy on a CPU); half the
+    # chunks cross nodes at U=2, so the encode and apply move half as much as at U=1's ring peer.
+    assert all(0 < r["v_major_floor_s"] < r["v_major_s"] for r in rep["rows"])
+    assert rep["memory_bps"] > 0 and rep["memory_bps_source"].startswith("measured")
+    assert rep["triton_matches_reference"] is True
     assert "V-Major ms" in capsys.readouterr().out
 
 

@@ -230,15 +230,65 @@ def test_cocodiffs_host_time_is_priced_and_can_make_stock_the_recommendation(mon
 def test_v_major_is_suggested_only_where_it_saves_more_than_its_kernels_cost(monkeypatch):
     # On two H100 nodes at U32, V-Major's bytes saved would be worth it if its kernels and host time
     # were free; priced at what one H100 measured, its kernels cost more than the exchange time they save.
-    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"] is None  # its host time alone
+    vm = plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"]
+    assert not vm["recommended"] and vm["note"].startswith("not recommended: ")  # its host time alone
     _no_host_time(monkeypatch)
-    unpriced = dict(plan.KERNEL_GPUS)
-    monkeypatch.setattr(plan, "KERNEL_GPUS", {})
-    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"] is not None
-    monkeypatch.setattr(plan, "KERNEL_GPUS", unpriced)
-    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"] is None
-    suggested = plan.plan("flux-dev", 1024, cluster="aurora", nodes=2)["v_major"]
-    assert suggested["compute_s"] == 0.0 and "not priced" in suggested["note"]
+    priced = plan.v_major_kernel_cost
+    monkeypatch.setattr(plan, "v_major_kernel_cost", lambda cluster: ((1e-9, 0.0), "free"))
+    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"]["recommended"]
+    monkeypatch.setattr(plan, "v_major_kernel_cost", priced)
+    assert not plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"]["recommended"]
+
+
+@pytest.mark.parametrize("preset", ["dgx-h100", "dgx-h200", "aurora", "pcie-8gpu"])
+def test_v_major_is_priced_on_every_preset_with_its_break_even_link_speed(preset, capsys):
+    vm = plan.plan("flux-dev", 1024, cluster=preset, nodes=2)["v_major"]
+    assert vm["v_major_kernel_s"] > 0 and vm["v_major_break_even_gbps"] > 0 and vm["compute_s"] > 0
+    assert vm["v_major_break_even_gbps"] == pytest.approx(vm["slow_link_bytes_saved_per_layer"] / vm["v_major_kernel_s"] / 1e9)
+    how = "measured on one H100" if preset == "dgx-h100" else "scaled from one H100 by memory bandwidth, 3.35 -> "
+    assert vm["kernels_priced"].startswith(how) and "not priced" not in vm["note"]
+    assert cli.main(["plan", "--model", "flux-dev", "--cluster", preset, "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "not priced" not in out
+    assert f"V-Major pays below {vm['v_major_break_even_gbps']:.1f} GB/s per GPU link (its kernels: " in out
+    assert cli.main(["plan", "--model", "flux-dev", "--cluster", preset, "--nodes", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["v_major"]["v_major_kernel_s"] == pytest.approx(vm["v_major_kernel_s"])
+
+
+def test_v_major_kernels_scale_with_memory_bandwidth():
+    h100, h200, aurora = (plan.plan("flux-dev", 1024, cluster=p, nodes=2)["v_major"] for p in ("dgx-h100", "dgx-h200", "aurora"))
+    assert h100["on"] == h200["on"] and h100["slow_link_bytes_saved_per_layer"] == h200["slow_link_bytes_saved_per_layer"]
+    assert h200["v_major_kernel_s"] == pytest.approx(h100["v_major_kernel_s"] * 3.35 / 4.8)
+    assert h200["v_major_break_even_gbps"] > h100["v_major_break_even_gbps"]
+    assert "3.35 -> 1.64 TB/s" in aurora["kernels_priced"]
+    # no V-Major section where no layout crosses nodes
+    assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=1)["v_major"] is None
+
+
+@pytest.mark.parametrize("fabric, emulated", [("rail", "dgx-h100"), ("shared-uplink", "dgx-h100"), ("aurora-like", "aurora")])
+def test_an_emulated_fabric_prices_v_major_as_the_cluster_it_emulates(fabric, emulated):
+    cost, how = plan.v_major_kernel_cost(fabric)
+    assert cost == plan.v_major_kernel_cost(emulated)[0]
+    assert how.startswith(plan.v_major_kernel_cost(emulated)[1]) and f"{fabric} is emulated on this CPU host" in how
+    vm = plan.plan("flux-dev", 1024, cluster=fabric, nodes=2)["v_major"]
+    assert vm["v_major_kernel_s"] > 0 and vm["v_major_break_even_gbps"] > 0 and vm["kernels_priced"] == how
+
+
+def test_every_preset_has_a_memory_bandwidth_and_devices_are_found_by_name(tmp_path):
+    from cocodiff_xfuser.comm.topology import presets
+    from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
+
+    assert set(presets()) <= set(plan.MEMORY_BPS) and set(FABRICS) <= set(plan.EMULATES)
+    assert set(plan.EMULATES.values()) <= set(plan.MEMORY_BPS)
+    assert plan.device_memory_bps("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert plan.device_memory_bps("NVIDIA H100 PCIe") == 2.0e12  # the longest name that matches
+    assert plan.device_memory_bps("NVIDIA H200") == 4.8e12
+    assert plan.device_memory_bps("Intel(R) Data Center GPU Max 1550") == pytest.approx(1.6384e12)  # one stack
+    assert plan.device_memory_bps("NVIDIA A100-SXM4-80GB") == 2.039e12
+    assert plan.device_memory_bps("no such GPU") is None
+    # a cluster of its own (no known GPU) is priced as the GPU the runs measured, and says so
+    cost, how = plan.v_major_kernel_cost(_preset(tmp_path, 4))
+    assert cost == plan.v_major_layer_cost(plan.KERNEL_GPU) and "not known" in how
 
 
 @pytest.mark.distributed

@@ -1,0 +1,129 @@
+"""The int4 residual codec of :mod:`.residuals` as two fused Triton kernels (one source for CUDA
+and XPU): per selected row, ``encode`` gathers the row and its reference, scales each group by a
+power of two, packs the nibbles and exponents and writes the reference's new row; ``apply`` adds
+a received row to the held copy in place. One launch per call covers every plane of the tensor
+(every gated tensor joined along the planes, every destination of a run).
+
+Both compute exactly what :func:`.residuals.encode_int4` and :func:`.residuals.add_int4` compute,
+byte for byte (tested under ``TRITON_INTERPRET=1``, which must be set before triton is first
+imported, so the tests run them in a process of their own).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from cocodiff_xfuser import commstats
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU hosts without triton run the torch reference
+    triton = None
+
+#: The values per scale (:data:`.residuals.INT4_GROUP`, or fewer for narrow rows).
+_GROUP = 32
+
+
+def usable(*tensors: torch.Tensor | None) -> bool:
+    """Whether the kernels run on these tensors: triton present, an accelerator (or the
+    interpreter), rows contiguous, values in float32 or bf16 (the payload's bytes aside)."""
+    if triton is None:
+        return False
+    present = [t for t in tensors if t is not None]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return ((interpreted or {t.device.type for t in present} <= {"cuda", "xpu"})
+            and all(t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.uint8) for t in present))
+
+
+def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`.residuals.encode` in int4 of rows ``rows`` along the second-to-last dim of ``x`` and
+    ``reference`` (both contiguous, ``[..., s, d]``): the payload ``[..., k, row bytes]``, and the
+    reference's rows updated in place."""
+    *planes, s, d = x.shape
+    g = _group(d)
+    width = d // 2 + d // g
+    k = rows.numel()
+    out = torch.empty(*planes, k, width, dtype=torch.uint8, device=x.device)
+    n = out.numel() // max(k * width, 1) if k else 0
+    if n:
+        commstats.count_kernel("int4 encode")
+        _encode[(n, k)](x, reference, rows, out, s, k, D=d, G=g, BLOCK=triton.next_power_of_2(d), WIDTH=width)
+    return out
+
+
+def apply_int4(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """:func:`.residuals.apply` of an int4 ``payload`` (``[..., k, row bytes]``) to ``held``
+    (``[..., s, d]``, contiguous) at rows ``rows`` (None: every row, in order), in place."""
+    *_, s, d = held.shape
+    k = payload.shape[-2]
+    n = payload.numel() // max(k * payload.shape[-1], 1) if k else 0
+    if n:
+        commstats.count_kernel("int4 apply")
+        every = rows is None
+        index = payload if every else rows  # any pointer where the kernel reads no index
+        _apply[(n, k)](held, payload, index, s, k, D=d, G=_group(d), BLOCK=triton.next_power_of_2(d),
+                              WIDTH=payload.shape[-1], EVERY=every)
+
+
+def _group(d: int) -> int:
+    return math.gcd(d, _GROUP)
+
+
+def _jit(fn):
+    return fn if triton is None else triton.jit(fn)
+
+
+@_jit
+def _encode(x_ptr, ref_ptr, rows_ptr, out_ptr, S, K, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+            WIDTH: tl.constexpr):
+    plane, t = tl.program_id(0), tl.program_id(1)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    at = (plane.to(tl.int64) * S + row) * D
+    offs = tl.arange(0, BLOCK)
+    inside = offs < D
+    ref = tl.load(ref_ptr + at + offs, mask=inside, other=0.0)
+    change = tl.load(x_ptr + at + offs, mask=inside, other=0.0).to(tl.float32) - ref.to(tl.float32)
+    # Each group's exponent from its largest value's bits, as the reference takes it.
+    amax = tl.max(tl.abs(tl.reshape(change, (BLOCK // G, G))), axis=1)  # [BLOCK / G]
+    e = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129, -100), 126)
+    scale = tl.reshape(tl.broadcast_to(e[:, None], (BLOCK // G, G)), (BLOCK,))
+    down = ((127 - scale) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+    q = tl.minimum(tl.maximum(tl.floor(change * down + 0.5), -7.0), 7.0)
+    new = ref.to(tl.float32) + q * ((scale + 127) << 23).to(tl.float32, bitcast=True)
+    if ref_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even by hand: the interpreter truncates
+        bits = new.to(tl.uint32, bitcast=True)
+        new = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(ref_ptr + at + offs, new, mask=inside)
+    lo, hi = tl.split(tl.reshape((q + 8.0).to(tl.int32), (BLOCK // 2, 2)))
+    out = out_ptr + (plane.to(tl.int64) * K + t) * WIDTH
+    half = tl.arange(0, BLOCK // 2)
+    tl.store(out + half, (lo | (hi << 4)).to(tl.uint8), mask=half < D // 2)
+    groups = tl.arange(0, BLOCK // G)
+    tl.store(out + D // 2 + groups, e.to(tl.int8).to(tl.uint8, bitcast=True), mask=groups < D // G)
+
+
+@_jit
+def _apply(held_ptr, payload_ptr, rows_ptr, S, K, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+           WIDTH: tl.constexpr, EVERY: tl.constexpr):
+    plane, t = tl.program_id(0), tl.program_id(1)
+    row = t.to(tl.int64) if EVERY else tl.load(rows_ptr + t).to(tl.int64)
+    at = (plane.to(tl.int64) * S + row) * D
+    src = payload_ptr + (plane.to(tl.int64) * K + t) * WIDTH
+    half = tl.arange(0, BLOCK // 2)
+    packed = tl.load(src + half, mask=half < D // 2, other=0).to(tl.int32)
+    q = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK,)).to(tl.float32) - 8.0
+    groups = tl.arange(0, BLOCK // G)
+    e = tl.load(src + D // 2 + groups, mask=groups < D // G, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+    scale = tl.reshape(tl.broadcast_to(e[:, None], (BLOCK // G, G)), (BLOCK,))
+    offs = tl.arange(0, BLOCK)
+    inside = offs < D
+    held = tl.load(held_ptr + at + offs, mask=inside, other=0.0)
+    new = held.to(tl.float32) + q * ((scale + 127) << 23).to(tl.float32, bitcast=True)
+    if held_ptr.dtype.element_ty == tl.bfloat16:  # as in the encode
+        bits = new.to(tl.uint32, bitcast=True)
+        new = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    tl.store(held_ptr + at + offs, new, mask=inside)

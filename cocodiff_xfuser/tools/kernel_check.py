@@ -1,0 +1,100 @@
+"""Whether V-Major's Triton kernels write the torch reference's bytes: the int4 residuals' encode
+and apply, and the per-token change sums its ranking reads.
+
+On an accelerator the compiled kernels run beside the reference; on a CPU the Triton interpreter
+runs them, in a process of its own (it needs ``TRITON_INTERPRET=1`` before triton is first
+imported). Cases cover float32 and bf16 values, rows of widths that are and are not powers of two
+and multiples of the group, selected rows in any order and every row in order, a group that did
+not change, and the change sums of a Ulysses exchange's V (per batch and token, or per token) and
+of a ring's K/V for every quantity.
+
+``python -m cocodiff_xfuser.tools.kernel_check [--device cuda]`` prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from cocodiff_xfuser.comm import residual_kernels, residuals
+from cocodiff_xfuser.vmajor import change_kernels, policy
+
+#: (shape, dtype): V as a Ulysses exchange holds it ([W, 1, b, h/W, s, d]), a ring's K/V
+#: ([2, T, row], a row not a power of two), a row narrower than a group.
+CASES = [((4, 1, 1, 2, 24, 64), dt) for dt in (torch.float32, torch.bfloat16)] + [
+    ((2, 10, 96), torch.float32), ((2, 10, 96), torch.bfloat16), ((3, 7, 8), torch.float32)]
+#: (shape, dims summed): V's chunks for other nodes ([W', 1, b, h/W, s, d]) per batch and token,
+#: and per token; a ring's K/V ([2, T, row]) per token.
+SUM_CASES = [((2, 1, 2, 3, 20, 64), (0, 1, 3, 5)), ((2, 1, 2, 3, 20, 64), (0, 1, 2, 3, 5)), ((2, 12, 320), (0, 2))]
+
+
+def compare(device: torch.device) -> dict:
+    """Every case's encode (payload and updated reference) and apply, kernels against reference."""
+    if not residual_kernels.usable(torch.empty(0, device=device)):
+        return {"triton_matches_reference": None, "why": "no triton for this device (or no interpreter)"}
+    g = torch.Generator().manual_seed(2)
+    failed = []
+    for shape, dtype in CASES:
+        x = torch.randn(shape, generator=g).to(dtype)
+        reference = (x.float() + 0.03 * torch.randn(shape, generator=g)).to(dtype)
+        reference[..., 0, : shape[-1] // 2] = x[..., 0, : shape[-1] // 2]  # a group that did not change
+        x, reference = x.to(device), reference.to(device)
+        dim = len(shape) - 2
+        for rows in (torch.tensor([5, 0, 1, 3], device=device), torch.arange(shape[dim], device=device)):
+            every = rows.numel() == shape[dim]
+            sent_ref, sent_k = reference.clone(), reference.clone()
+            payload_ref, new = residuals.encode_int4(x.index_select(dim, rows), reference.index_select(dim, rows))
+            sent_ref.index_copy_(dim, rows, new)
+            payload_k = residual_kernels.encode_int4(x, sent_k, rows)
+            held_ref, held_k = reference.clone(), reference.clone()
+            held_ref.index_copy_(dim, rows, residuals.add_int4(held_ref.index_select(dim, rows), payload_ref))
+            residual_kernels.apply_int4(held_k, payload_k, None if every else rows)
+            same = (torch.equal(payload_k, payload_ref), torch.equal(sent_k, sent_ref), torch.equal(held_k, held_ref),
+                    torch.equal(held_k, sent_k))
+            if not all(same):
+                failed.append({"shape": list(shape), "dtype": str(dtype), "every_row": every,
+                               "payload, reference, apply, copies equal": same})
+    cases = 2 * len(CASES)
+    for shape, dims in SUM_CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(shape, generator=g).to(dtype)
+            reference = (x.float() + 0.05 * torch.randn(shape, generator=g)).to(dtype)
+            x, reference = x.to(device), reference.to(device)
+            for kinds in (("squared change", "squared reference"), ("absolute change", "squared value")):
+                got = change_kernels.sums(kinds, x, reference, dims)
+                diff = x.float() - reference.float()
+                values = {"squared change": diff.square(), "absolute change": diff.abs(),
+                          "squared reference": reference.float().square(), "squared value": x.float().square()}
+                want = [policy.integer_sums(values[kind], dims) for kind in kinds]
+                cases += 1
+                if not all(torch.equal(a, b) and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(got, want)):
+                    failed.append({"shape": list(shape), "dims": list(dims), "dtype": str(dtype), "sums": list(kinds)})
+    return {"triton_matches_reference": not failed, "cases": cases, "failed": failed,
+            "device": str(device), "interpreted": os.environ.get("TRITON_INTERPRET") == "1"}
+
+
+def interpreted(timeout: float = 300) -> dict:
+    """:func:`compare` on the CPU under the Triton interpreter, in a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-m", __name__], env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode:
+        return {"triton_matches_reference": False, "why": out.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cocodiff_xfuser.tools.kernel_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    report = compare(torch.device(args.device))
+    print(json.dumps(report))
+    return 0 if report["triton_matches_reference"] is not False else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
