@@ -22,12 +22,12 @@ from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run
 
 
-def test_every_row_goes_without_indices_where_that_is_no_more_bytes():
+def test_every_row_goes_without_a_mask_where_that_is_no_more_bytes():
     from cocodiff_xfuser.comm import sparse
 
-    # 32-byte rows (fp8) with a 4-byte index each: 89 of 100 rows take 3204 bytes, all 100 take 3200.
-    assert sparse.whole_is_smaller(89, 100, 32) and not sparse.whole_is_smaller(88, 100, 32)
-    assert sparse.whole_is_smaller(100, 100, 32) and not sparse.whole_is_smaller(0, 100, 32)
+    # 2-byte rows after a 16-byte mask of 100 rows: 92 of them take 200 bytes, all 100 take 200.
+    assert sparse.whole_is_smaller(92, 100, 2) and not sparse.whole_is_smaller(91, 100, 2)
+    assert sparse.whole_is_smaller(100, 100, 2) and not sparse.whole_is_smaller(0, 100, 2)
 
 
 def test_shipped_defaults_load_and_flags_override(tmp_path):
@@ -351,7 +351,7 @@ def test_auto_decides_in_the_first_call_and_keeps_its_decision(tmp_path):
 
 def test_ring_peers_hold_what_the_sender_references():
     """V-Major on the ring's K/V: after an exact step, a sparse step's message (the selected
-    tokens' change as fp8, behind their indices) turns the receiver's copy into exactly the
+    tokens' change as fp8, behind their mask) turns the receiver's copy into exactly the
     sender's reference, the error left for the next step (error feedback)."""
     from cocodiff_xfuser.comm import residuals, sparse, transport
     from cocodiff_xfuser.vmajor import ring
@@ -365,11 +365,11 @@ def test_ring_peers_hold_what_the_sender_references():
     assert torch.equal(sender.reference, x0) and torch.equal(receiver.held[1], x0)
 
     x1 = x0 + 0.1 * torch.randn_like(x0)
-    active = torch.tensor([4, 1])
+    active = torch.tensor([1, 4])
     fp8 = torch.float8_e4m3fn
     sent = residuals.encode(x1, sender.reference, active, 1, fp8)
     step = ring.RingStep(sender, x1, (0,), sparse.Selection.fixed(active, 2), sent, fp8)
-    assert step.slow_bytes == 2 * 4 + 2 * 2 * 4  # int32 indices, then 2 tokens' K and V rows in fp8
+    assert step.slow_bytes == 4 + 2 * 2 * 4  # a mask of 6 bits in 4 bytes, then 2 tokens' K and V rows in fp8
     message = [transport.comm_view(p).view(-1).view(torch.uint8).clone() for p in step.remote.pieces]
     assert [len(m) for m in message] == list(step.remote.sizes[0])
     got = ring.RingStep(receiver, torch.zeros_like(x0), (1,), sparse.Selection.fixed(active, 2), None, fp8).finish(

@@ -7,8 +7,9 @@ previous exchange's result, which they keep, and reuse the others. Who chose the
 what travels with them:
 
 * chosen by the sender (the input exchanges: each rank selects among its own tokens, the same set
-  for every destination): the rows travel with their indices (int32), which the receivers may
-  record; a sender that sends every row sends them in order, without indices;
+  for every destination): the rows travel in ascending order after a bitmask of them (one bit per
+  row, padded to 4 bytes), which the receivers may record; a sender that sends every row or none
+  sends no mask;
 * chosen by the receiver (the output exchange: its rows are the receiver's tokens): each sender
   sends a receiver the rows at that receiver's active tokens, learned from the input exchange, and
   the receiver places them at its own active tokens; no index travels. What every rank of
@@ -118,7 +119,7 @@ def build_slow_levels(
 class Selection:
     """This rank's active rows and how many rows every rank of the group sends over slow links."""
 
-    active: torch.Tensor  # [k] this rank's rows (int64, on the device, any order; all of them in order)
+    active: torch.Tensor  # [k] this rank's rows (int64, on the device, ascending)
     counts: tuple[int, ...]  # k of every group rank, the same on every rank
 
     @classmethod
@@ -126,31 +127,46 @@ class Selection:
         """Every rank sends ``len(active)`` rows: a count the settings fix, known everywhere."""
         return cls(active, (active.numel(),) * world)
 
-    @cached_property
-    def index_bytes(self) -> torch.Tensor:
-        """The indices as they travel ahead of the rows (int32, as bytes): once for every
-        destination and every exchange that follows this selection."""
-        return _bytes(self.active.to(torch.int32))
+    def mask(self, s: int) -> torch.Tensor:
+        """The rows as they travel ahead of them, of ``s`` (uint8, :func:`mask_bytes` of them): bit
+        ``t % 8`` of byte ``t // 8`` set for an active row ``t``; built on the device."""
+        bits = torch.zeros(mask_bytes(s) * 8, dtype=torch.uint8, device=self.active.device).index_fill_(0, self.active, 1)
+        return (bits.view(-1, 8) << _SHIFTS.to(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
+    """The ``k`` rows (int64, ascending) a mask (``[..., mask_bytes(s)]`` uint8) marks, per mask,
+    on the device without reading it: each set bit's rank among the set bits is its slot."""
+    bits = ((mask.unsqueeze(-1) >> _SHIFTS.to(mask.device)) & 1).flatten(-2)[..., :s]  # [..., s]
+    slot = torch.where(bits.bool(), bits.long().cumsum(-1) - 1, k)  # unset rows to a spare slot
+    every = torch.arange(s, device=mask.device).expand_as(slot)
+    return torch.empty(*slot.shape[:-1], k + 1, dtype=torch.long, device=mask.device).scatter_(-1, slot, every)[..., :k]
+
+
+def mask_bytes(s: int) -> int:
+    """The bytes of a mask of ``s`` rows: a bit each, padded to 4 bytes so the rows after it keep
+    their alignment."""
+    return (s + 31) // 32 * 4
 
 
 def whole_is_smaller(k: int, s: int, row_bytes: int) -> bool:
-    """Whether sending all ``s`` rows (in order, no indices) takes no more bytes than ``k`` rows
-    with their indices."""
-    return k * (row_bytes + _INDEX_BYTES) >= s * row_bytes
+    """Whether sending all ``s`` rows (in order, no mask) takes no more bytes than ``k`` rows
+    after their mask."""
+    return k * row_bytes + mask_bytes(s) >= s * row_bytes
 
 
 def index_size(k: int, s: int, by_receiver: bool = False) -> int:
-    """The indices ahead of ``k`` sender-chosen rows of ``s``; none where the receiver knows them:
-    it chose them, or every row is sent (in order)."""
-    return 0 if by_receiver or k == s else k * _INDEX_BYTES
+    """The mask ahead of ``k`` sender-chosen rows of ``s``; none where the receiver knows them:
+    it chose them, or every row or none is sent."""
+    return 0 if by_receiver or k in (0, s) else mask_bytes(s)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-#: Each active row travels with its index, an int32 ahead of the rows.
-_INDEX_BYTES = 4
+#: A byte's bit positions, low first.
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def view_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,10 +194,10 @@ def _plane_rows(sources: tuple[int, ...], planes: int, s: int, device: torch.dev
     return (j * planes + torch.arange(planes, device=device).view(1, -1, 1)) * s
 
 
-def _payload(rows: torch.Tensor, indices: torch.Tensor | None) -> list[torch.Tensor]:
-    """What goes over a slow link to one destination, in order: the indices (int32, as bytes; None:
-    the receiver knows them), then the rows (the caller joins them with what travels beside them)."""
-    return [_bytes(rows)] if indices is None else [indices, _bytes(rows)]
+def _payload(rows: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """What goes over a slow link to one destination, in order: the mask of the rows (None: the
+    receiver knows them), then the rows (the caller joins them with what travels beside them)."""
+    return [_bytes(rows)] if mask is None else [mask, _bytes(rows)]
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -204,8 +220,8 @@ class SparseHandle:
     ``x`` (``[W, P, s, d]``) goes whole to node-mates; ``rows[j]`` (``[P, k, d]``) to each rank
     ``j`` on another node, as values, or with ``residual`` as the change since the receivers'
     copy, which they add (any dtype: everything travels as bytes). Chosen by the sender (the
-    default), the rows are this rank's ``selection.active`` in that order and travel with their
-    indices, which the receiver learns (``learn_peers``: :attr:`peers`, group rank -> int64 indices);
+    default), the rows are this rank's ``selection.active`` (ascending) and travel after their
+    mask, which the receiver learns (``learn_peers``: :attr:`peers`, group rank -> int64 indices);
     with ``by_receiver``, ``rows[j]`` are the rows at rank ``j``'s active tokens and are placed at
     this rank's ``selection.active``. ``decode`` turns received rows (``[P, k, *]`` in their
     dtype) into values (``[P, k, d]``) before they are placed (packed fp8 rows, for example).
@@ -251,7 +267,7 @@ class SparseHandle:
         # (The messages here are bytes: float32 rows travel at their width even where the wire is bf16.)
         self.exact_bytes = len(remote) * p * s * d * transport.wire_itemsize(x.dtype)
         device = x.device
-        indices = selection.index_bytes if index_size(selection.active.numel(), s, by_receiver) else None
+        mask = selection.mask(s) if index_size(selection.active.numel(), s, by_receiver) else None
         chunks = _bytes(x).view(w, -1).unbind(0)
         if not two_phase:
             sizes = [self._bytes_from(j) for j in range(w)]
@@ -261,12 +277,12 @@ class SparseHandle:
             if collective:  # the backend's own all-to-all, with the split sizes both sides know
                 pieces = []
                 for j in range(w):
-                    pieces += [chunks[j]] if level.fast(j) else _payload(rows[j], indices)
+                    pieces += [chunks[j]] if level.fast(j) else _payload(rows[j], mask)
                 sent = [self._full_bytes if level.fast(j) else self._size(level.me, j) for j in range(w)]
                 self._pending = flat.start_flat_all_to_all(torch.cat(pieces), group, sizes, sent)
                 self._received = self._run_buffers = None
                 return
-            inp = [chunks[j] if level.fast(j) else _joined(_payload(rows[j], indices)) for j in range(w)]
+            inp = [chunks[j] if level.fast(j) else _joined(_payload(rows[j], mask)) for j in range(w)]
             # Node-mates' chunks land in place (all their rows are replaced); other nodes' pieces
             # back to back per run of ranks.
             self._in_place = into.is_contiguous()
@@ -279,13 +295,13 @@ class SparseHandle:
             self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
-        # (with their indices) for that lane on every other node (node order).
+        # (after their mask) for that lane on every other node (node order).
         nodes, lanes = max(level.node) + 1, max(level.lane) + 1
         me_node = level.node[level.me]
         self._others = [n for n in range(nodes) if n != me_node]
         self._mates = [level.at(me_node, l) for l in range(lanes)]
         inp = [
-            torch.cat([chunks[self._mates[l]]] + [piece for n in self._others for piece in _payload(rows[level.at(n, l)], indices)])
+            torch.cat([chunks[self._mates[l]]] + [piece for n in self._others for piece in _payload(rows[level.at(n, l)], mask)])
             for l in range(lanes)
         ]
         lane = level.lane[level.me]
@@ -300,7 +316,7 @@ class SparseHandle:
         return self._counts[dst if self._by_receiver else src]
 
     def _size(self, src: int, dst: int) -> int:
-        """The bytes of what ``src`` sends ``dst`` over slow links: the rows, their indices ahead."""
+        """The bytes of what ``src`` sends ``dst`` over slow links: the rows, their mask ahead."""
         k = self._rows(src, dst)
         return k * self._row_bytes + index_size(k, self._tokens, self._by_receiver)
 
@@ -382,13 +398,13 @@ class SparseHandle:
         n, (_, p, s, d) = len(sources), into.shape
         pieces = pieces.view(n, sizes[0])
         every = k == s and not self._by_receiver  # every row, in order: no index travels
-        index = 0 if every or self._by_receiver else k * _INDEX_BYTES
+        index = index_size(k, s, self._by_receiver)
         if self._by_receiver:
             active = self._active.view(1, k)
         elif every:
             active = self._in_order().view(1, k)
         else:
-            active = view_bytes(pieces[:, :index], torch.int32).long()
+            active = rows_of(pieces[:, :index], s, k)
         if self.peers is not None:  # one row of indices per source, or one that all share
             for i, j in enumerate(sources):
                 self.peers[j] = active[i if active.shape[0] > 1 else 0]
@@ -409,9 +425,11 @@ class SparseHandle:
             active, index = self._active, 0
         elif every:
             active, index = None, 0
+        elif k == 0:  # no row, no mask
+            active, index = self._in_order()[:0], 0
         else:
-            index = k * _INDEX_BYTES
-            active = view_bytes(piece[:index], torch.int32).long()
+            index = index_size(k, s)
+            active = rows_of(piece[:index], s, k)
         if self.peers is not None:
             self.peers[j] = self._in_order() if every else active
         rows = view_bytes(piece[index:], self._rows_dtype).view(into.shape[1], k, self._width)

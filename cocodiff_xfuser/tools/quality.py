@@ -268,7 +268,7 @@ V_MAJOR_SWEEP = {
 }
 #: ``--sweep v-major-budget``: the ``budget`` policy as ``--cocodiff-v-major auto`` runs it (the shipped
 #: defaults otherwise) at several errors: the points of ``configs/policies/v-major-calibration.yaml``.
-BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "float8_e4m3fn"}
+BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "int4"}
                 for e in (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.2)}
 #: ``--sweep frontier``: V-Major against the peers' compression of the same traffic, one byte counter:
 #: fp8 with a scale per token and head on every link (xDiT's and cache-dit's fp8 Ulysses traffic,
@@ -282,10 +282,10 @@ FRONTIER_SWEEP = {
         "policy": "top-k", "fraction": 1.0, "scope": scope, "residual_dtype": full}
        for dtype, full in (("int4", "int4"), ("fp8", "float8_e4m3fn"), ("bf16", "bfloat16")) for scope in ("qkv", "qkvo")},
     **{f"budget {e:g} qkvo int4": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "int4"}
-       for e in (0.01, 0.02, 0.03, 0.05)},
-    **{f"budget {e:g}": {"policy": "budget", "error": e, "scope": "qkv", "residual_dtype": "float8_e4m3fn"} for e in (0.03, 0.05, 0.1)},
-    **{f"budget {e:g} qkvo": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "float8_e4m3fn"}
-       for e in (0.01, 0.02, 0.03, 0.05)},
+       for e in (0.02, 0.03, 0.04, 0.05)},
+    "budget 0.05 fp8": {"policy": "budget", "error": 0.05, "scope": "qkv", "residual_dtype": "float8_e4m3fn"},
+    **{f"budget {e:g} qkvo fp8": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "float8_e4m3fn"}
+       for e in (0.02, 0.03, 0.05)},
     "budget 0.05 values": {"policy": "budget", "error": 0.05, "scope": "qkv"},
     "budget 0.05 scope v": {"policy": "budget", "error": 0.05, "scope": "v", "residual_dtype": "float8_e4m3fn"},
     "threshold 0.1 fp8": {"policy": "threshold", "threshold": 0.1, "scope": "qkv", "residual_dtype": "float8_e4m3fn"},

@@ -14,7 +14,7 @@ and K follow, a sparse step's V rows ride in Q/K's exchange (:attr:`.policy.Step
 Decisions that change which collectives run (full or sparse exchange at this step, whether a
 layer fits the cache budget, how many rows each rank sends) depend only on the step, the shapes,
 the settings and agreed values, which every rank shares; the selected rows are rank-local and
-travel, with their indices, in the exchange. Every policy fixes each rank's count on the host
+travel, after a bitmask of them, in the exchange. Every policy fixes each rank's count on the host
 before the layer runs, so a layer's exchange needs no agreement and no host synchronization:
 ``top-k`` and ``schedule`` from the settings and the step, ``budget`` and ``threshold`` from the
 shares their layers measured at earlier steps, agreed once per step. Tokens are ranked by integer

@@ -69,9 +69,13 @@ class Layer:
         # Ranked by the change of the chunks that cross nodes, over all but batch and token (dim 4
         # of [W, 1, b, h/W, s, d]): what the receivers there hold.
         reference = caches.reference.get("v")
-        crossing = self._crossing(v)
-        selection = decide(self, crossing, None if reference is None else self._crossing(reference), 4, (0, 1, 3, 5),
-                           _row_bytes(v, residual) if residual else 0, v.shape[0])
+        if reference is None and residual is not None:
+            # The receivers hold nothing yet: every token, as its change since zero (what they hold).
+            commstats.count_v_major(call.step, self.index, v.shape[4], v.shape[4])
+            selection = sparse.Selection.fixed(torch.arange(v.shape[4], device=v.device), v.shape[0])
+        else:
+            selection = decide(self, self._crossing(v), None if reference is None else self._crossing(reference), 4,
+                               (0, 1, 3, 5), _row_bytes(v, residual) if residual else 0, v.shape[0])
         return Step(self, caches, None if selection is None else selection.active, selection)
 
     def _crossing(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,7 @@ def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_di
            token_bytes: int, world: int) -> sparse.Selection | None:
     """The one V-Major decision of a layer call, Ulysses (:class:`Layer`) or ring
     (:class:`~cocodiff_xfuser.vmajor.ring.RingLayer`), at its clock's current step: None for the
-    exact exchange (every token, as values: the first step, a refresh, or every token being no more
+    exact exchange (every token, as values: the first step without residuals, a refresh, or every token being no more
     bytes), else this rank's active tokens of ``x`` along ``token_dim`` (ranked over ``select_dims``),
     as many on each of the ``world`` ranks of its group: fixed by the policy and the step, or, where
     the data decides (threshold, budget), the share its layer needed at an earlier step, agreed over
@@ -105,7 +109,7 @@ def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_di
         k = tokens  # warm-up, or nothing measured yet
     residual = settings.residual
     if residual is not None and sparse.whole_is_smaller(k, tokens, token_bytes):
-        k = tokens  # every token, without indices, is no more bytes
+        k = tokens  # every token, without a mask, is no more bytes
     if (
         reference is None
         or (settings.refresh_every and step % settings.refresh_every == 0)
@@ -118,7 +122,7 @@ def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_di
     else:
         if change is None:
             change = token_change(rule.metric, x, reference, token_dim, select_dims)
-        active = torch.sort(change, stable=True).indices[tokens - k:]
+        active = torch.sort(change, stable=True).indices[tokens - k:].sort().values  # ascending, as the mask sends them
     commstats.count_v_major(step, index, k, tokens)
     return sparse.Selection.fixed(active, world)
 
@@ -262,6 +266,8 @@ class Step:
                 caches.reference[name] = x
             return x, False
         active = self.selection.active
+        if residual is not None:
+            caches.start_from_zero(names, x)
         if len(names) > 1 and residual is not None:
             return self._crossing(x, caches.joined("reference", names), active, residual), True
         if len(names) > 1:  # values: only V's reference is kept

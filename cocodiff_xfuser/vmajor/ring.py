@@ -106,7 +106,7 @@ class RingLayer:
 class RingStep:
     """One ring layer call's exchange: exact (``selection`` None: every peer gets ``x``, and the
     copies become what was gathered) or sparse (the peers on other nodes, ``peers``, get ``sent``:
-    the selected tokens as residuals in ``residual`` or as values, after their indices where not
+    the selected tokens as residuals in ``residual`` or as values, after their mask where not
     every token)."""
 
     def __init__(self, caches: _Caches, x: torch.Tensor, peers: tuple[int, ...], selection: sparse.Selection | None,
@@ -117,11 +117,11 @@ class RingStep:
             caches.reference = x  # what the peers will hold (torch builds the buffer anew per call)
             return
         tokens, row_bytes = x.shape[1], _token_bytes(x, residual)
-        every = selection.active.numel() == tokens
-        # The indices ahead of the rows, where not every token (then a piece, empty or not).
-        sizes = {j: ((sparse.index_size(k, tokens),) if k < tokens else ()) + (k * row_bytes,)
+        # The mask ahead of the rows, where some tokens but not all travel.
+        sizes = {j: ((sparse.index_size(k, tokens),) if sparse.index_size(k, tokens) else ()) + (k * row_bytes,)
                  for j in peers for k in [selection.counts[j]]}
-        self.remote = Remote(peers, (sent,) if every else (selection.index_bytes, sent), sizes)
+        masked = sparse.index_size(selection.active.numel(), tokens) > 0
+        self.remote = Remote(peers, (selection.mask(tokens), sent) if masked else (sent,), sizes)
 
     @property
     def slow_bytes(self) -> int:
@@ -141,7 +141,7 @@ class RingStep:
         dtype = {None: self._x.dtype, torch.int4: torch.uint8}.get(self._residual, self._residual)
         width = residuals.row_bytes(shape[2], self._residual) if self._residual == torch.int4 else shape[2]
         for j, pieces in received.items():
-            rows = sparse.view_bytes(pieces[0], torch.int32).long() if len(pieces) == 2 else None
+            rows = sparse.rows_of(pieces[0], shape[1], self._selection.counts[j]) if len(pieces) == 2 else None
             payload = sparse.view_bytes(pieces[-1], dtype).view(2, self._selection.counts[j], width)
             residuals.apply(held[j], payload, rows, 1, self._residual is not None)
             out[j].copy_(held[j].view(-1))

@@ -26,6 +26,10 @@ class Budget:
             del self.held[key]
 
 
+#: The planes each exchange carries along dim 1: Q and K packed together, V, the output.
+PLANES = {"qk": 2, "v": 1, "o": 1}
+
+
 class Caches:
     """One layer's caches for one branch of a pipeline call: the sender's reference, the receivers' results."""
 
@@ -41,6 +45,18 @@ class Caches:
         # (kind, names exchanged together) -> one tensor along dim 1 and the views of it kept as
         # their entries, so a layer whose V rides with Q/K every step joins them without a copy.
         self._joined: dict[tuple[str, ...], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def start_from_zero(self, names: tuple[str, ...], x: torch.Tensor) -> None:
+        """Zeros for the entries ``names`` not held yet (``x``: them along dim 1, as many planes
+        each as :data:`PLANES` says): before anything arrives, the receivers hold zeros, so a first
+        step's residuals are the values themselves, rounded."""
+        first = 0
+        for name in names:
+            n = PLANES[name]
+            for store in (self.reference, self.received):
+                if name not in store:
+                    store[name] = torch.zeros_like(x[:, first:first + n])
+            first += n
 
     def joined(self, kind: str, names: tuple[str, ...]) -> torch.Tensor:
         """The entries ``names`` of ``kind`` ('reference' or 'received') as one tensor along dim 1,

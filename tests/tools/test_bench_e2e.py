@@ -86,7 +86,7 @@ def test_e2e_smoke_is_lossless_and_complete_with_its_floor():
     assert [c["mechanism"] for c in report["configs"]] == ["stock", "stock", "fair-flat", *bench_e2e.MECHANISMS, "tapa+vfirst",
                                                          *bench_e2e.LOSSY]
     assert report["best_stock_links_share"] is not None and all(c["floor_speedup_vs_best_stock"] > 0 for c in configs.values())
-    # V-Major ran (after the first, exact step, its rows as fp8 residuals: every row where the
+    # V-Major ran (its rows as int4 residuals, the first step's against zeros: every row where the
     # budget needs nearly all of them), and the fabric's counters saw fewer bytes on the slow links.
     vmajor = configs["tapa+vfirst+vmajor U4"]
     assert 0 < vmajor["v_major_active_fraction"] <= 1 and vmajor["psnr_db"] > 20

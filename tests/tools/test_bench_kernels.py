@@ -25,6 +25,10 @@ def test_reports_the_layer_and_v_major_per_degree(tmp_path, capsys):
     assert rep["memory_bps"] > 0 and rep["memory_bps_source"].startswith("measured")
     assert rep["triton_matches_reference"] is True
     assert "V-Major ms" in capsys.readouterr().out
+    assert main(["bench", "kernels", "--model", "tiny-flux", "--size", "64", "--ulysses", "2", "--device", "cpu",
+                 "--reps", "1", "--json", "--residual-dtype", "int4"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["v_major_s"] > row["v_major_floor_s"] > 0
 
 
 def test_a_degree_that_does_not_divide_is_one_line(capsys):

@@ -224,7 +224,8 @@ def run(model: str, size: int, ulyssess: list[int], device: torch.device, dtype:
 
 def print_report(rep: dict) -> None:
     print(f"{rep['model']} at {rep['size']}px, {rep['dtype']}, {rep['device']} (torch {rep['torch']}), "
-          f"median of {rep['reps']}; the planner assumes {rep['planner_assumed_tflops']} TFLOP/s")
+          f"median of {rep['reps']}; the planner assumes TFLOP/s of "
+          + ", ".join(f"{k} {v:g}" for k, v in rep["planner_assumed_tflops"].items()))
     print(f"{'launch':>6} {'U':>3} {'tokens':>7} {'proj ms':>8} {'attn ms':>8} {'TFLOP/s':>8} {'window':>7} {'model':>7} {'V-Major ms':>10} {'of layer':>8} "
           f"{'rank':>7} {'encode':>7} {'apply':>7} {'enc all':>7} {'fp8 p+u':>7} {'floor':>7} {'x floor':>7}")
     for r in rep["rows"]:
@@ -247,6 +248,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residual-dtype", choices=[d for d in RESIDUAL_DTYPES if d != "none"], default=None,
                    help="V-Major's residual (default: V-Major's default)")
     p.add_argument("--out", default=None, help="also write the report as JSON here")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object instead of a table")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -255,7 +257,10 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--ulysses: comma-separated integers, not {args.ulysses!r}") from None
     rep = run(args.model, args.size, degrees, torch.device(args.device), getattr(torch, args.dtype), args.reps, args.residual_dtype)
-    print_report(rep)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print_report(rep)
     if args.out:
         Path(args.out).write_text(json.dumps(rep, indent=1) + "\n")
     return 0
