@@ -34,6 +34,8 @@ V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major
 # Auto's speed check decides within the first call (its warm-up step, then three rounds of three arms).
 V_MAJOR_AUTO = {**V_MAJOR, "cocodiff_v_major": "auto"}
 FP8 = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_compress": "fp8"}
+#: V-Major's other policies (the default, budget, is "vmajor"): a sparse step at step 2 for each.
+POLICIES = {p: {**V_MAJOR, "cocodiff_v_major_policy": p} for p in ("threshold", "top-k", "schedule")}
 # id -> (model, ulysses, ring, topology, backends, extra flags, steps); every cocodiff backend is checked.
 JOBS = {
     "flux-u2": ("tiny-flux", 2, 1, "2x1", ("ulysses", "cocodiff", "cocodiff+vfirst", "vmajor", "fp8"), (), 3),
@@ -41,8 +43,9 @@ JOBS = {
     # V-Major on the ring's K/V (Ulysses inside the node x Ring across nodes), and auto's three arms.
     "flux-u2r2": ("tiny-flux", 2, 2, "2x2", ("ulysses", "cocodiff+vfirst", "vmajor"), (), 3),
     "flux-u2-auto": ("tiny-flux", 2, 1, "2x1", ("ulysses", "auto"), (), 11),
+    "flux-u2-policies": ("tiny-flux", 2, 1, "2x1", ("ulysses", *POLICIES), (), 3),
 }
-SLOW_JOBS = {"sd3-u2-fp8", "flux-u2r2", "flux-u2-auto"}
+SLOW_JOBS = {"sd3-u2-fp8", "flux-u2r2", "flux-u2-auto", "flux-u2-policies"}
 CASES = [["a cat", 1], ["a dog", 2]]
 
 
@@ -51,7 +54,7 @@ def _generate(job: str, out: Path) -> Path:
     run = Run(model=model, ulysses_degree=ulysses, ring_degree=ring, topology=topology, seed=1, steps=steps,
               extra=("--use_torch_compile", *extra))
     (out / "cases.json").write_text(json.dumps(CASES))
-    (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR, "auto": V_MAJOR_AUTO, "fp8": FP8}))
+    (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR, "auto": V_MAJOR_AUTO, "fp8": FP8, **POLICIES}))
     argv = run.argv(backends, out) + ["--cases", str(out / "cases.json"), "--variants", str(out / "variants.json")]
     (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, timeout=900).stderr)
     return out
@@ -115,7 +118,7 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
     assert ran["fallbacks"] == {}, ran
     if backend == "vmajor" and JOBS[job][2] > 1:
         assert ran["exchanges"].get("ring v-major"), ran
-    elif backend == "vmajor":
+    elif backend == "vmajor" or backend in POLICIES:
         assert ran["v_major_sparse"] and ran["v_major"]["tokens"] > 0, ran
     if backend == "cocodiff+vfirst" and "--cocodiff-compress" not in JOBS[job][5]:
         # Exact: the compiled V-First image is the compiled stock one (the same graphs around the exchanges).

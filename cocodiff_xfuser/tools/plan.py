@@ -62,10 +62,9 @@ TARGET_MEDIAN = 0.15
 TFLOPS = {"dgx-h100": 400.0, "dgx-h200": 400.0, "aurora": 150.0, "pcie-8gpu": 150.0}
 DEFAULT_TFLOPS = 200.0
 #: V-Major at its defaults (configs/policies/v-major.yaml) as the planner prices it: the point of
-#: this shipped sweep at the default error (the share of rows sent over slow links; the first step
-#: is exact, the others send their rows as fp8 residuals, 1 byte per element, in every exchange).
+#: this shipped sweep at the default error (the share of rows sent over slow links, as residuals in
+#: the default dtype, :func:`v_major_scale`, in every exchange).
 V_MAJOR_SWEEP = "sweep-v-major-budget-digits-flux.json"
-V_MAJOR_EXACT_STEPS = 1
 #: V-Major on the ring's K/V: the share of tokens sent, from this shipped quality run at the defaults.
 RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
 #: ``cocodiff bench host``'s run the planner prices cocodiff's own host time from.
@@ -480,10 +479,18 @@ def layer_flops(spec: ModelSpec, s: float, s_local: float, head_pad: float = 1.0
 
 
 def v_major_scale(spec: ModelSpec, active: float, steps: int) -> float:
-    """The share of an exchange's slow-link bytes V-Major sends: every row at its first step, then
-    the ``active`` share of the rows as fp8 residuals."""
-    dense = min(1.0, V_MAJOR_EXACT_STEPS / max(steps, 1))
-    return dense + (1 - dense) * active * (1.0 / spec.dtype_bytes)
+    """The share of an exchange's slow-link bytes V-Major sends at its defaults: every row at its
+    first step (as residuals against zeros, or exact without a residual dtype), then the ``active``
+    share of the rows (as residuals in the default dtype, or values)."""
+    from cocodiff_xfuser.comm import residuals  # torch: loaded only where V-Major is priced
+    from cocodiff_xfuser.settings import VMajorSettings
+
+    residual = VMajorSettings.load().residual
+    first = min(1.0, 1 / max(steps, 1))
+    if residual is None:
+        return first + (1 - first) * active
+    per_value = residuals.row_bytes(spec.head_dim, residual) / (spec.head_dim * spec.dtype_bytes)
+    return per_value * (first + (1 - first) * active)
 
 
 def predict_step(spec: ModelSpec, cl: Cluster, c: Coeffs, *, size: int, frames: int = 1, batch: int = 1,
