@@ -40,6 +40,7 @@ METRICS = ("rel-l2", "l1")
 SCOPES = ("v", "qkv", "qkvo")
 RESIDUAL_DTYPES = ("none", "bfloat16", "float8_e4m3fn", "int4")
 IF_SLOWER = ("stop", "keep")
+FIRST_STEPS = ("residual", "exact")
 MODES = ("off", "on", "auto")
 CALIBRATION = DEFAULTS.with_name("v-major-calibration.yaml")
 
@@ -181,6 +182,8 @@ class VMajorSettings:
     refresh_every: int = _knob("full exchange every this many steps (0: never)")
     scope: str = _knob(f"exchanges the mask gates: {', '.join(SCOPES)}")
     residual_dtype: str = _knob(f"active rows over slow links: {', '.join(RESIDUAL_DTYPES)} (none: values)")
+    first_step: str = _knob(f"with residuals, the first step's tokens: {', '.join(FIRST_STEPS)} (residuals against zeros, "
+                            "or the exact exchange)")
     budget_mib: float = _knob("bound on the caches in MiB; layers beyond it use the exact exchange")
     if_slower: str = _knob(f"auto, where its steps are not faster than exact steps: {', '.join(IF_SLOWER)}")
     # --cocodiff-v-major auto's target (not a file knob): its ``error`` came from the calibration,
@@ -227,6 +230,9 @@ class VMajorSettings:
         except (TypeError, ValueError) as e:
             raise ValueError(f"V-Major settings: {e}") from e
         settings.check()
+        if strict and "first_step" in given and settings.residual is None:
+            raise ValueError("--cocodiff-v-major-first-step acts only with a residual dtype (values: the first step is "
+                             "exact): leave it out or set --cocodiff-v-major-residual-dtype")
         return settings
 
     def check(self) -> None:
@@ -235,6 +241,7 @@ class VMajorSettings:
             ("scope", self.scope, SCOPES),
             ("residual-dtype", self.residual_dtype, RESIDUAL_DTYPES),
             ("if-slower", self.if_slower, IF_SLOWER),
+            ("first-step", self.first_step, FIRST_STEPS),
         ):
             if value not in allowed:
                 raise ValueError(f"--cocodiff-v-major-{name} {value!r}: expected one of {', '.join(allowed)}")
@@ -244,7 +251,8 @@ class VMajorSettings:
     def describe(self) -> str:
         rule = self.rule.describe()
         refresh = f", full every {self.refresh_every} steps" if self.refresh_every else ""
-        rows = "values" if self.residual_dtype == "none" else f"{self.residual_dtype} residuals"
+        rows = "values" if self.residual_dtype == "none" else f"{self.residual_dtype} residuals" + (
+            ", the first step exact" if self.first_step == "exact" else "")
         auto = "" if self.min_psnr_db is None else f"auto for {self.min_psnr_db:g} dB: "
         return (f"{auto}{rule}, scope {self.scope}, active rows as {rows}, {self.warmup_steps} warm-up steps{refresh}, "
                 f"cache budget {self.budget_mib:g} MiB")

@@ -49,11 +49,13 @@ def test_shipped_defaults_load_and_flags_override(tmp_path):
         ({"policy": "top-k", "fraction": 1.5}, "--cocodiff-v-major-fraction"),
         ({"residual_dtype": "int2"}, "--cocodiff-v-major-residual-dtype"),
         ({"policy": "threshold", "threshold": -1.0}, "must be >= 0"),
+        ({"first_step": "skip"}, "--cocodiff-v-major-first-step 'skip'"),
+        ({"residual_dtype": "none", "first_step": "exact"}, "--cocodiff-v-major-first-step acts only with a residual dtype"),
     ],
 )
 def test_bad_settings_are_one_clear_error(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        VMajorSettings.load(**overrides)
+        VMajorSettings.load(strict=True, **overrides)
 
 
 def test_unknown_or_unreadable_file(tmp_path):

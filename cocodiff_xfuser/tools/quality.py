@@ -270,6 +270,13 @@ V_MAJOR_SWEEP = {
 #: defaults otherwise) at several errors: the points of ``configs/policies/v-major-calibration.yaml``.
 BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtype": "int4"}
                 for e in (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.2)}
+#: The first step exact instead of int4 residuals against zeros (in ``--sweep frontier``).
+FIRST_STEP_EXACT = {
+    "all tokens int4 residuals qkvo, first step exact": {"policy": "top-k", "fraction": 1.0, "scope": "qkvo",
+                                                         "residual_dtype": "int4", "first_step": "exact"},
+    **{f"budget {e:g} qkvo int4, first step exact": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "int4",
+                                                     "first_step": "exact"} for e in (0.02, 0.03)},
+}
 #: ``--sweep frontier``: V-Major against the peers' compression of the same traffic, one byte counter:
 #: fp8 with a scale per token and head on every link (xDiT's and cache-dit's fp8 Ulysses traffic,
 #: ``--cocodiff-compress fp8``) and on the slow level only (``fp8-slow``), and every token's change
@@ -283,6 +290,7 @@ FRONTIER_SWEEP = {
        for dtype, full in (("int4", "int4"), ("fp8", "float8_e4m3fn"), ("bf16", "bfloat16")) for scope in ("qkv", "qkvo")},
     **{f"budget {e:g} qkvo int4": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "int4"}
        for e in (0.02, 0.03, 0.04, 0.05)},
+    **FIRST_STEP_EXACT,
     "budget 0.05 fp8": {"policy": "budget", "error": 0.05, "scope": "qkv", "residual_dtype": "float8_e4m3fn"},
     **{f"budget {e:g} qkvo fp8": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "float8_e4m3fn"}
        for e in (0.02, 0.03, 0.05)},

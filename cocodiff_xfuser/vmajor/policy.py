@@ -69,7 +69,7 @@ class Layer:
         # Ranked by the change of the chunks that cross nodes, over all but batch and token (dim 4
         # of [W, 1, b, h/W, s, d]): what the receivers there hold.
         reference = caches.reference.get("v")
-        if reference is None and residual is not None:
+        if reference is None and residual is not None and settings.first_step == "residual":
             # The receivers hold nothing yet: every token, as its change since zero (what they hold).
             commstats.count_v_major(call.step, self.index, v.shape[4], v.shape[4])
             selection = sparse.Selection.fixed(torch.arange(v.shape[4], device=v.device), v.shape[0])
