@@ -269,26 +269,26 @@ class Step:
         if residual is not None:
             caches.start_from_zero(names, x)
         if len(names) > 1 and residual is not None:
-            return self._crossing(x, caches.joined("reference", names), active, residual), True
+            return self._encode_crossing(x, caches.joined("reference", names), active, residual), True
         if len(names) > 1:  # values: only V's reference is kept
             first, parts = 0, []
             for name in names:
                 n = caches.received[name].shape[1]
-                parts.append(self._crossing(x[:, first:first + n], caches.reference.get(name), active, None))
+                parts.append(self._encode_crossing(x[:, first:first + n], caches.reference.get(name), active, None))
                 first += n
             return {j: torch.cat([part[j] for part in parts]) for j in parts[0]}, False
         reference = caches.reference.get(name)
         peers = caches.peers
         if name == "o" and peers and all(rows.numel() == x.shape[4] for rows in peers.values()):
-            sent = self._crossing(x, reference, next(iter(peers.values())), residual)  # every token of every peer
+            sent = self._encode_crossing(x, reference, next(iter(peers.values())), residual)  # every token of every peer
         elif name == "o":
             sent = {j: residuals.encode(x[j], None if reference is None else reference[j], rows, 3, residual)
                     for j, rows in peers.items()}
         else:
-            sent = self._crossing(x, reference, active, residual)
+            sent = self._encode_crossing(x, reference, active, residual)
         return sent, residual is not None
 
-    def _crossing(self, x: torch.Tensor, reference: torch.Tensor | None, rows: torch.Tensor,
+    def _encode_crossing(self, x: torch.Tensor, reference: torch.Tensor | None, rows: torch.Tensor,
                   residual: torch.dtype | None) -> dict[int, torch.Tensor]:
         """The rows ``rows`` of ``x`` (``[W, n, b, h/W, s, d]``) that go to the ranks on other nodes,
         encoded per run of consecutive ones (one launch each; views, no copies): group rank ->
