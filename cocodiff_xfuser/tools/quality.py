@@ -272,9 +272,9 @@ BUDGET_SWEEP = {f"budget {e:g}": {"policy": "budget", "error": e, "residual_dtyp
                 for e in (0.01, 0.02, 0.03, 0.04, 0.05, 0.07, 0.1, 0.2)}
 #: The first step exact instead of int4 residuals against zeros (in ``--sweep frontier``).
 FIRST_STEP_EXACT = {
-    "all tokens int4 residuals qkvo, first step exact": {"policy": "top-k", "fraction": 1.0, "scope": "qkvo",
+    "all tokens int4 residuals qkvo first step exact": {"policy": "top-k", "fraction": 1.0, "scope": "qkvo",
                                                          "residual_dtype": "int4", "first_step": "exact"},
-    **{f"budget {e:g} qkvo int4, first step exact": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "int4",
+    **{f"budget {e:g} qkvo int4 first step exact": {"policy": "budget", "error": e, "scope": "qkvo", "residual_dtype": "int4",
                                                      "first_step": "exact"} for e in (0.02, 0.03)},
 }
 #: ``--sweep frontier``: V-Major against the peers' compression of the same traffic, one byte counter:
