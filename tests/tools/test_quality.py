@@ -104,10 +104,10 @@ def test_lossless_configuration_reports_identical_images(tmp_path):
 @pytest.mark.slow  # a quality measurement; make test runs V-Major's paths bitwise (equivalence) and sparse (vmajor, exchanges)
 def test_v_major_default_meets_its_quality_and_bytes_target(tmp_path):
     """``--v-major on`` at the shipped defaults on the trained model: within 35 dB of stock Ulysses,
-    at least 40% of the slow-link bytes saved, and the sparse exchanges really ran."""
+    at least 70% of the slow-link bytes saved, and the sparse exchanges really ran."""
     report = _quality_json(tmp_path, "digit 2,digit 5,digit 8", "--v-major", "on")
     assert report["psnr_db"] >= 35 and not report["identical"], report["psnr_db"]
-    assert report["slow_link_bytes_saved_fraction"] >= 0.4, report["slow_link_bytes_saved_fraction"]
+    assert report["slow_link_bytes_saved_fraction"] >= 0.7, report["slow_link_bytes_saved_fraction"]
     ran = report["ran"]["cocodiff"]
     assert any(name.startswith("v-major") for name in ran["exchanges"]) and ran["fallbacks"] == {}, ran
     assert 0 < report["v_major_active_fraction"] < 1
