@@ -131,13 +131,13 @@ class Selection:
         """The rows as they travel ahead of them, of ``s`` (uint8, :func:`mask_bytes` of them): bit
         ``t % 8`` of byte ``t // 8`` set for an active row ``t``; built on the device."""
         bits = torch.zeros(mask_bytes(s) * 8, dtype=torch.uint8, device=self.active.device).index_fill_(0, self.active, 1)
-        return (bits.view(-1, 8) << _SHIFTS.to(bits.device)).sum(1, dtype=torch.uint8)
+        return (bits.view(-1, 8) << _bit_positions(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
     """The ``k`` rows (int64, ascending) a mask (``[..., mask_bytes(s)]`` uint8) marks, per mask,
     on the device without reading it: each set bit's rank among the set bits is its slot."""
-    bits = ((mask.unsqueeze(-1) >> _SHIFTS.to(mask.device)) & 1).flatten(-2)[..., :s]  # [..., s]
+    bits = ((mask.unsqueeze(-1) >> _bit_positions(mask.device)) & 1).flatten(-2)[..., :s]  # [..., s]
     slot = torch.where(bits.bool(), bits.long().cumsum(-1) - 1, k)  # unset rows to a spare slot
     every = torch.arange(s, device=mask.device).expand_as(slot)
     return torch.empty(*slot.shape[:-1], k + 1, dtype=torch.long, device=mask.device).scatter_(-1, slot, every)[..., :k]
@@ -165,8 +165,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-#: A byte's bit positions, low first.
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+def _bit_positions(device: torch.device) -> torch.Tensor:
+    """A byte's bit positions, low first, made on the device (no copy from the host)."""
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def view_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
