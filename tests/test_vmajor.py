@@ -415,6 +415,7 @@ def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two jobs, the kernels interpreted in every layer; make test checks them byte for byte (tests/comm)
 @pytest.mark.timeout(600)
 def test_the_triton_kernels_in_a_job_give_the_torch_references_images(tmp_path):
     """V-Major with int4 residuals on the Ulysses exchanges and the ring's K/V: a job whose layers
