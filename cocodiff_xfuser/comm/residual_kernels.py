@@ -24,9 +24,6 @@ try:
 except ImportError:  # CPU hosts without triton run the torch reference
     triton = None
 
-#: The values per scale (:data:`.residuals.INT4_GROUP`, or fewer for narrow rows).
-_GROUP = 32
-
 
 def usable(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels run on these tensors: triton present, an accelerator (or the
@@ -39,38 +36,33 @@ def usable(*tensors: torch.Tensor | None) -> bool:
             and all(t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.uint8) for t in present))
 
 
-def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """:func:`.residuals.encode` in int4 of rows ``rows`` along the second-to-last dim of ``x`` and
-    ``reference`` (both contiguous, ``[..., s, d]``): the payload ``[..., k, row bytes]``, and the
-    reference's rows updated in place."""
+def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:
+    """:func:`.residuals.encode` in int4 (``group`` values per scale) of rows ``rows`` along the
+    second-to-last dim of ``x`` and ``reference`` (both contiguous, ``[..., s, d]``): the payload
+    ``[..., k, row bytes]``, and the reference's rows updated in place."""
     *planes, s, d = x.shape
-    g = _group(d)
-    width = d // 2 + d // g
+    width = d // 2 + d // group
     k = rows.numel()
     out = torch.empty(*planes, k, width, dtype=torch.uint8, device=x.device)
-    n = out.numel() // max(k * width, 1) if k else 0
-    if n:
+    n = math.prod(planes)
+    if n and k:
         commstats.count_kernel("int4 encode")
-        _encode[(n, k)](x, reference, rows, out, s, k, D=d, G=g, BLOCK=triton.next_power_of_2(d), WIDTH=width)
+        _encode[(n, k)](x, reference, rows, out, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d), WIDTH=width)
     return out
 
 
-def apply_int4(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | None) -> None:
-    """:func:`.residuals.apply` of an int4 ``payload`` (``[..., k, row bytes]``) to ``held``
-    (``[..., s, d]``, contiguous) at rows ``rows`` (None: every row, in order), in place."""
+def apply_int4(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | None, group: int) -> None:
+    """:func:`.residuals.apply` of an int4 ``payload`` (``[..., k, row bytes]``, ``group`` values per
+    scale) to ``held`` (``[..., s, d]``, contiguous) at rows ``rows`` (None: every row, in order), in place."""
     *_, s, d = held.shape
     k = payload.shape[-2]
-    n = payload.numel() // max(k * payload.shape[-1], 1) if k else 0
-    if n:
+    n = math.prod(payload.shape[:-2])
+    if n and k:
         commstats.count_kernel("int4 apply")
         every = rows is None
         index = payload if every else rows  # any pointer where the kernel reads no index
-        _apply[(n, k)](held, payload, index, s, k, D=d, G=_group(d), BLOCK=triton.next_power_of_2(d),
-                              WIDTH=payload.shape[-1], EVERY=every)
-
-
-def _group(d: int) -> int:
-    return math.gcd(d, _GROUP)
+        _apply[(n, k)](held, payload, index, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d),
+                       WIDTH=payload.shape[-1], EVERY=every)
 
 
 def _jit(fn):

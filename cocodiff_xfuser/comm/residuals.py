@@ -56,7 +56,7 @@ def encode(x: torch.Tensor, reference: torch.Tensor | None, rows: torch.Tensor, 
     every = rows.numel() == x.shape[dim]
     if dtype == torch.int4:
         if residual_kernels.usable(x, reference):
-            return residual_kernels.encode_int4(x, reference, rows)
+            return residual_kernels.encode_int4(x, reference, rows, group_size(x.shape[-1]))
         held = reference if every else reference.index_select(dim, rows)
         payload, new = encode_int4(x if every else x.index_select(dim, rows), held)
         reference.copy_(new) if every else reference.index_copy_(dim, rows, new)
@@ -82,7 +82,7 @@ def apply(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | None, 
     ``payload``, added where it is a residual (int4 ones as bytes), copied where it is values."""
     if is_residual and payload.dtype == torch.uint8:
         if residual_kernels.usable(held, payload):
-            residual_kernels.apply_int4(held, payload, rows)
+            residual_kernels.apply_int4(held, payload, rows, group_size(held.shape[-1]))
             return
         if rows is None:
             held.copy_(add_int4(held, payload))

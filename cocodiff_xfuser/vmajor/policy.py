@@ -180,6 +180,12 @@ def _sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims
     :data:`.change_kernels.KINDS`): two fused kernels where they run, the torch reference elsewhere."""
     if change_kernels.usable(x, reference):
         return change_kernels.sums(kinds, x, reference, dims)
+    return reference_sums(kinds, x, reference, dims)
+
+
+def reference_sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims: tuple[int, ...]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_sums` as torch computes it (CPU, and what the kernels must match)."""
     diff = x.float() - reference.float()
     values = {"squared change": lambda: diff.square(), "absolute change": lambda: diff.abs(),
               "squared reference": lambda: reference.float().square(), "squared value": lambda: x.float().square()}
