@@ -157,6 +157,16 @@ def usp(name: str) -> Any:
     return private(_USP, name)
 
 
+#: The families whose xfuser modules may fuse QK-norm and RoPE (FlyDSL).
+FUSED_QK_FAMILIES = ("flux", "flux2", "qwen", "wan")
+
+
+def fused_kernels() -> tuple[str, ...]:
+    """The families of :func:`fused_qk_kernel_reason` whose xfuser module, loaded, found its fused kernel
+    (what the installation decides on each rank)."""
+    return tuple(f for f in FUSED_QK_FAMILIES if f"{_TRANSFORMERS}.transformer_{f}" in sys.modules and fused_qk_kernel_reason(f))
+
+
 def fused_qk_kernel_reason(family: str) -> str | None:
     """Why a V-First processor of ``family`` (``flux``, ``flux2``, ``qwen``, ``wan``) must not run:
     xfuser then uses its fused FlyDSL QK-norm/RoPE kernel, which V-First does not reproduce."""

@@ -68,14 +68,17 @@ class Exchange:
 
 @dataclass(frozen=True)
 class _Route:
-    """What an exact exchange of one (label, shape, dtype) decides: its algorithm (with the hierarchical
-    exchange's pipeline parts) and its slow-link bytes, sent and exact. Kept once the autotune's choice
-    for the shape is final, so that a denoising loop's exchanges decide nothing per call."""
+    """What an exact exchange of one (label, shape, dtype) decides: its algorithm, how to start it (the
+    hierarchical exchange's pipeline parts bound), its slow-link bytes, sent and exact, and where it runs
+    (for the fault line). Kept once the autotune's choice for the shape is final, so that a denoising
+    loop's exchanges decide nothing per call."""
 
     algorithm: str
     parts: int
+    start: Callable[..., AllToAllHandle]
     slow_bytes: int
     exact_bytes: int
+    where: str
 
 
 class Exchanger:
@@ -147,23 +150,26 @@ class Exchanger:
             if not pending.done:
                 pending.wait()
 
-    def _route(
-        self, label: str, numel: int, dtype: torch.dtype, device: torch.device, exact_bytes: int,
-        payload: Callable[[], torch.Tensor],
-    ) -> _Route:
-        """The route of a flat payload of ``numel`` elements of ``dtype`` on ``device`` (``payload()``
-        makes one to choose with, called only where the route is not kept yet), counted as one
-        exchange (``exact_bytes``: the exchange's size uncompressed, on the wire)."""
-        key = (label, numel, dtype, device, exact_bytes)
+    def _route(self, key: tuple, payload: Callable[[], torch.Tensor], exact_bytes: Callable[[], int]) -> _Route:
+        """The route of the exchange ``key`` names (its label first, then what fixes its size: shapes,
+        dtype, device), kept once final. Only where it is not kept yet: ``payload()`` makes the flat
+        payload to choose with, ``exact_bytes()`` gives the exchange's size uncompressed, on the wire."""
         route = self._routes.get(key)
         if route is None:
-            x = payload()
-            algorithm = self._choose(x)
-            parts = self.autotune.parts(x, self.group) if algorithm == "hierarchical" else 1
-            sent = transport.wire_bytes(x)
-            route = _Route(algorithm, parts, int(sent * self.layout.slow_share), int(exact_bytes * self.layout.slow_share))
-            if self.autotune.settled(x, self.group):
-                self._routes[key] = route
+            route = self.finish(lambda: self._decide(key, payload(), exact_bytes()), key[0], "autotune")
+        return route
+
+    def _decide(self, key: tuple, x: torch.Tensor, exact_bytes: int) -> _Route:
+        algorithm = self._choose(x)
+        parts = self.autotune.parts(x, self.group) if algorithm == "hierarchical" else 1
+        share = self.layout.slow_share
+        route = _Route(algorithm, parts, self.autotune.starter(algorithm, x, self.group), int(transport.wire_bytes(x) * share),
+                       int(exact_bytes * share), f"{algorithm} over {self._group_desc}")
+        if self.autotune.settled(x, self.group):
+            self._routes[key] = route
+        return route
+
+    def _counted(self, route: _Route, label: str) -> _Route:
         commstats.count_exchange(route.algorithm, label, slow_link_bytes=route.slow_bytes, slow_link_bytes_exact=route.exact_bytes)
         return route
 
@@ -178,10 +184,11 @@ class Exchanger:
         packed = compress.pack(x.reshape(self.world_size, rows, d))
         return packed.view(-1), lambda out: compress.unpack(out.view(self.world_size, -1), rows, d, x.dtype)
 
-    def finish(self, step: Callable[[], T], label: str, algorithm: str) -> T:
+    def finish(self, step: Callable[[], T], label: str, algorithm: str, where: str | None = None) -> T:
         """``step()`` (choosing, starting, advancing or waiting for an exchange); a failed or
-        timed-out exchange is one line to the process's fault handler (in a job: the rank ends)."""
-        where = f"{algorithm} over {self._group_desc}"
+        timed-out exchange is one line to the process's fault handler (in a job: the rank ends).
+        ``where``: the route's own line, where the caller has one."""
+        where = where or f"{algorithm} over {self._group_desc}"
         try:
             with faults.inside(label, where):
                 return step()
@@ -194,10 +201,13 @@ class Exchanger:
         self._pending.append(handle)
         return handle
 
-    def _flat_route(self, flat: torch.Tensor, x: torch.Tensor, label: str) -> _Route:
-        """The route of the exchange of ``x`` as the flat payload ``flat`` (``x`` packed or not)."""
-        return self.finish(lambda: self._route(label, flat.numel(), flat.dtype, flat.device, transport.wire_bytes(x), lambda: flat),
-                           label, "autotune")
+    def _flat_route(self, x: torch.Tensor, label: str) -> tuple[_Route, torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+        """The route of the exchange of ``x``, counted, its flat payload (``x`` packed or not) and how
+        to unpack the result (None: nothing to unpack)."""
+        packed = self._packed(x)
+        flat, unpack = packed if packed is not None else (x.flatten(), None)
+        route = self._route((label, x.shape, x.dtype, x.device), lambda: flat, lambda: transport.wire_bytes(x))
+        return self._counted(route, label), flat, unpack
 
     def _slow_fp8(self, x: torch.Tensor) -> bool:
         """Whether ``x`` is exchanged as fp8 over the slow level only (``--cocodiff-compress fp8-slow``)."""
@@ -222,11 +232,9 @@ class Exchanger:
         the wire's values: the V-First processors, its callers, round them where V-Major reads them)."""
         if self._slow_fp8(x):
             return self._start_slow_fp8(x, label)
-        packed = self._packed(x)
-        flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = self._flat_route(flat, x, label).algorithm
-        started = self.finish(lambda: self.autotune.start(algorithm, flat, self.group), label, algorithm)
-        return self._pending_handle(Exchange(self, started, x.shape, label, algorithm, unpack))
+        route, flat, unpack = self._flat_route(x, label)
+        started = self.finish(lambda: route.start(flat), label, route.algorithm, route.where)
+        return self._pending_handle(Exchange(self, started, x.shape, label, route.algorithm, unpack))
 
     @torch.compiler.disable
     def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> Exchange:
@@ -235,21 +243,22 @@ class Exchanger:
         chosen exchange sends (:func:`heads`; the wire's values, as the V-First processors hand them in)."""
         if self._slow_fp8(tensors[0]):
             return self._start_slow_fp8(heads(tensors, (self.world_size,), (0,)), label)
-        b, h, s, d = tensors[0].shape
+        first = tensors[0]
+        b, h, s, d = first.shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
-        exact_bytes = math.prod(shape) * transport.wire_itemsize(tensors[0].dtype)
-        # What the choice needs is the size, dtype and device; a real buffer only to measure with.
-        if self.options.compress != "fp8" or tensors[0].dtype not in compress.WIDE:
-            numel, dtype = math.prod(shape), tensors[0].dtype
-        else:
-            numel, dtype = self.world_size * compress.packed_bytes(math.prod(shape[1:-1]), d), torch.uint8
 
         def probe() -> torch.Tensor:
-            probe = tensors[0].new_empty(1, dtype=dtype).expand(numel)
-            return tensors[0].new_empty(numel, dtype=dtype) if self.autotune.measures(probe, self.group) else probe
+            # What the choice needs is the size, dtype and device; a real buffer only to measure with.
+            if self.options.compress != "fp8" or first.dtype not in compress.WIDE:
+                numel, dtype = math.prod(shape), first.dtype
+            else:
+                numel, dtype = self.world_size * compress.packed_bytes(math.prod(shape[1:-1]), d), torch.uint8
+            probe = first.new_empty(1, dtype=dtype).expand(numel)
+            return first.new_empty(numel, dtype=dtype) if self.autotune.measures(probe, self.group) else probe
 
-        route = self.finish(lambda: self._route(label, numel, dtype, tensors[0].device, exact_bytes, probe), label, "autotune")
-        algorithm = route.algorithm
+        route = self._route((label, len(tensors), first.shape, first.dtype, first.device), probe,
+                            lambda: math.prod(shape) * transport.wire_itemsize(first.dtype))
+        algorithm = self._counted(route, label).algorithm
         if algorithm == "hierarchical" and route.parts == 1:
             sends = self.autotune.registry.tapa.input_layout(self.group)
             data, extra = heads(tensors, self.levels, sends), {"layout": sends}
@@ -257,7 +266,7 @@ class Exchanger:
             data, extra = heads(tensors, (self.world_size,), (0,)), {}
         packed = self._packed(data)  # chunks in send order, whichever layout
         data, unpack = packed if packed is not None else (data.view(-1), None)
-        started = self.finish(lambda: self.autotune.start(algorithm, data, self.group, **extra), label, algorithm)
+        started = self.finish(lambda: route.start(data, **extra), label, algorithm, route.where)
         return self._pending_handle(Exchange(self, started, shape, label, algorithm, unpack))
 
     @torch.compiler.disable
@@ -273,7 +282,8 @@ class Exchanger:
         Routed like the exact exchange of the same size: two phases where the autotune chose TAPA or
         the PXN-like relay (both cross nodes on the destination's lane), the backend's all-to-all with
         split sizes where it chose ``flat``, else one point-to-point batch."""
-        exact_algorithm = self.finish(lambda: self._choose(x.flatten()), label, "autotune")
+        # The exact exchange's route for this size, kept like its own (not counted: this one runs).
+        exact_algorithm = self._route((label, "sparse", x.shape, x.dtype, x.device), x.flatten, lambda: transport.wire_bytes(x)).algorithm
         two_phase = self.slow_level.regular and exact_algorithm in ("hierarchical", "flat-pxn")
         collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
         algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
@@ -290,10 +300,8 @@ class Exchanger:
         x = transport.wire_values(x)
         if self._slow_fp8(x):
             return self._start_slow_fp8(x, label).wait().reshape(x.shape)
-        packed = self._packed(x)
-        flat, unpack = packed if packed is not None else (x.flatten(), None)
-        algorithm = self._flat_route(flat, x, label).algorithm
-        out = self.finish(lambda: self.autotune.run(algorithm, flat, self.group), label, algorithm)
+        route, flat, unpack = self._flat_route(x, label)
+        out = self.finish(lambda: route.start(flat).wait(), label, route.algorithm, route.where)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 
     @property

@@ -106,6 +106,12 @@ def required() -> str | None:
     return _uneven_heads
 
 
+def kept_tokens(exchanged: int) -> int:
+    """How many of ``exchanged`` head-sharded tokens :func:`keep_keys` keeps: the real ones of the
+    running forward's padded streams, else all."""
+    return exchanged if _streams is None else sum(real for real, _ in _streams.lengths)
+
+
 def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Head-sharded ``[b, h/W, W*s, d]`` K and V without the padded tokens of the running forward."""
     if _streams is None:

@@ -37,9 +37,10 @@ def heads(tensors: Sequence[torch.Tensor], levels: Sequence[int], layout: Sequen
 
 def sequence(exchanged: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     """The source-major exchange result ``[W, n, b, h/W, s, d]`` as ``n`` tensors ``[b, h/W, W*s, d]``
-    (what attention reads; the copy is counted)."""
+    (what attention reads; the copy is counted). Each its own tensor, none a view of another: a
+    compiled graph's operator may not return outputs that alias."""
     world, _, b, local_heads, s, d = exchanged.shape
-    # [W, n, b, h/W, s, d] -> [n, b, h/W, W, s, d] -> [n, b, h/W, W*s, d]
-    out = exchanged.permute(1, 2, 3, 0, 4, 5).reshape(n, b, local_heads, world * s, d)
-    commstats.count_copy(out.numel() * out.element_size())
-    return torch.unbind(out, dim=0)
+    # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d], per tensor
+    out = tuple(exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n))
+    commstats.count_copy(sum(t.numel() * t.element_size() for t in out))
+    return out

@@ -42,6 +42,7 @@ must be imported on every rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -250,6 +251,13 @@ class AutoAllToAll:
     def run(self, algorithm: str, x: torch.Tensor, group: Any = None) -> torch.Tensor:
         """Blocking :meth:`start`."""
         return self.registry[algorithm].run(x, group, **self._options(algorithm, x, group))
+
+    def starter(self, algorithm: str, x: torch.Tensor, group: Any = None) -> Callable[..., AllToAllHandle]:
+        """:meth:`start` of ``algorithm`` for inputs of ``x``'s size over ``group``, bound once: a
+        caller that keeps a settled choice per shape starts each exchange without deciding again
+        (``layout=`` still goes to the hierarchical exchange)."""
+        group = group if group is not None else dist.group.WORLD
+        return functools.partial(self.registry[algorithm].start, group=group, **self._options(algorithm, x, group))
 
     def _options(self, algorithm: str, x: torch.Tensor, group: Any) -> dict[str, int]:
         parts = self.parts(x, group) if algorithm == "hierarchical" else 1

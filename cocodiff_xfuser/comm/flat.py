@@ -98,7 +98,7 @@ class P2PHandle:
         self._dtype = x.dtype
         inp = transport.comm_view(x)
         self._out = torch.empty_like(inp)
-        self._done = transport.exchange_chunks(self._out.view(-1), inp.view(-1), group, "flat-p2p")
+        self._done = transport.exchange_chunks(self._out, inp, group, "flat-p2p")
         self._result: torch.Tensor | None = None
 
     def advance(self) -> bool:

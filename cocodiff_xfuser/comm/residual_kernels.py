@@ -25,15 +25,19 @@ except ImportError:  # CPU hosts without triton run the torch reference
     triton = None
 
 
+# Read once: the interpreter must be chosen before triton is imported, so it cannot change later.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_DEVICES = ("cuda", "xpu")
+_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+
+
 def usable(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels run on these tensors: triton present, an accelerator (or the
     interpreter), rows contiguous, values in float32 or bf16 (the payload's bytes aside)."""
     if triton is None:
         return False
-    present = [t for t in tensors if t is not None]
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return ((interpreted or {t.device.type for t in present} <= {"cuda", "xpu"})
-            and all(t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.uint8) for t in present))
+    return all(t is None or ((_INTERPRETED or t.device.type in _DEVICES) and t.is_contiguous() and t.dtype in _DTYPES)
+               for t in tensors)
 
 
 def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:

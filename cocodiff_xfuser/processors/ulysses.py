@@ -28,6 +28,7 @@ from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.vmajor import policy
 from cocodiff_xfuser.vmajor.clock import Clock
+from cocodiff_xfuser.xfuser import job
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
@@ -201,7 +202,6 @@ class _Covered:
         return self._results[name]
 
 
-@torch.compiler.disable
 def start_input_exchange(
     exchanger: Exchanger,
     *tensors: torch.Tensor,
@@ -209,19 +209,88 @@ def start_input_exchange(
     layer: policy.Layer | None = None,
     v_major: policy.Step | None = None,
     carrying: PendingExchange | None = None,
-) -> PendingExchange:
-    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors through ``exchanger``, asynchronously.
+) -> PendingExchange | torch.Tensor:
+    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors through ``exchanger``, asynchronously
+    (a V-First call's V: counted as the call).
 
     ``layer``: V's exchange of a layer under V-Major; ``v_major``: Q/K's, following V's decision;
     ``carrying``: V's exchange, which rides with these where it waits to (else it starts now).
+    Traced by torch.compile, V's exact exchange (no V-Major layer) is an operator of the graph, which
+    returns a token for :func:`attention` (the exchange in flight waits in the process's slot).
     """
+    if torch.compiler.is_compiling() and len(tensors) == 1 and layer is None and v_major is None and carrying is None:
+        return torch.ops.cocodiff.v_first_start(tensors[0], label)
+    return _start_input_exchange(exchanger, *tensors, label=label, layer=layer, v_major=v_major, carrying=carrying)
+
+
+@torch.compiler.disable
+def _start_input_exchange(exchanger, *tensors, label, layer, v_major, carrying) -> PendingExchange:
+    commstats.count_v_first_call()  # V's exchange: one per V-First call
     return PendingExchange(exchanger, tensors, label, layer, v_major, carrying)
+
+
+# V's exact exchange started by a compiled graph's operator, until Q/K's operator waits for it.
+# Operators hold no Python objects, so it waits here: one at a time per process, since a layer
+# waits for its V before the next layer starts one (an earlier graph that failed between the two
+# leaves one, replaced by the next start).
+_in_flight: PendingExchange | None = None
+
+
+@torch.library.custom_op("cocodiff::v_first_start", mutates_args=())
+def _start_operator(value: torch.Tensor, label: str) -> torch.Tensor:
+    """V's exact input exchange in a compiled graph, started through the job's exchanger (the one the
+    processors were given); the token it returns orders Q/K's operator after it."""
+    global _in_flight
+    commstats.count_v_first_call()
+    _in_flight = PendingExchange(job.exchanger(), (value,), label)
+    return value.new_empty(0)
+
+
+@_start_operator.register_fake
+def _(value: torch.Tensor, label: str) -> torch.Tensor:
+    return value.new_empty(0)
+
+
+def _take_in_flight() -> PendingExchange:
+    global _in_flight
+    pending, _in_flight = _in_flight, None
+    if pending is None:
+        raise RuntimeError("cocodiff: a compiled layer waits for V's exchange, but none was started")
+    return pending
+
+
+@torch.library.custom_op("cocodiff::v_first_inputs", mutates_args=())
+def _inputs_operator(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q/K's exchange and the wait for V (:func:`exchange_inputs`) in a compiled graph: head-sharded Q, K, V."""
+    _, query, key, value, *_ = exchange_inputs(query, key, _take_in_flight(), None, None, None, None, None)
+    return query.contiguous(), key.contiguous(), value.contiguous()
+
+
+@_inputs_operator.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    world = job.exchanger().world_size
+    b, h, s, d = query.shape
+    local_heads = padding.padded(h, world) // world
+    keys = padding.kept_tokens(world * s)
+    return query.new_empty(b, local_heads, world * s, d), key.new_empty(b, local_heads, keys, d), key.new_empty(b, local_heads, keys, d)
+
+
+@torch.library.custom_op("cocodiff::v_first_output", mutates_args=())
+def _output_operator(out: torch.Tensor, heads: int) -> torch.Tensor:
+    """The exact output exchange (:func:`output_exchange`) in a compiled graph."""
+    return output_exchange(job.exchanger(), out, None, heads).contiguous()
+
+
+@_output_operator.register_fake
+def _(out: torch.Tensor, heads: int) -> torch.Tensor:
+    b, _, s, d = out.shape
+    return out.new_empty(b, heads, s // job.exchanger().world_size, d)
 
 
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
-    value: PendingExchange,
+    value: PendingExchange | torch.Tensor,
     *,
     joint_query: torch.Tensor | None = None,
     joint_key: torch.Tensor | None = None,
@@ -237,30 +306,45 @@ def attention(
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
 
-    Under torch.compile the exchanges are graph breaks (their host work stays out of traced
-    code, :func:`exchange_inputs` and :func:`output_exchange`); the attention itself is traced.
+    Under torch.compile the exact exchanges (``value`` the token of V's operator, no joint tensors
+    or attention arguments, Q and K alike) are operators of the graph; the others are graph breaks
+    (:func:`exchange_inputs` and :func:`output_exchange`). Their host work stays out of traced code
+    either way; the attention itself is traced.
     """
-    from xfuser.core.distributed import get_ring_parallel_world_size
-    from xfuser.model_executor.layers.usp import ring_attn
-
     head_count = query.shape[1]
+    if isinstance(value, torch.Tensor) and joint_strategy is None and not attention_kwargs and query.shape == key.shape:
+        # Traced, V's exchange an operator in flight: the exchanges are operators too, not graph breaks.
+        query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, value)
+        out = _attend(compat.usp("_get_attention_function")(), query, key, value, None, attention_kwargs)
+        return torch.ops.cocodiff.v_first_output(out, head_count)
     exchanger, query, key, value, joint_attn_kwargs, v_major, attention_function = exchange_inputs(
         query, key, value, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs
     )
-    kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
-    if get_ring_parallel_world_size() == 1:
-        out, _ = attention_function(query, key, value, **kwargs)
-    else:
-        out = ring_attn(attention_function, query, key, value, **kwargs)
+    out = _attend(attention_function, query, key, value, joint_attn_kwargs, attention_kwargs)
     return output_exchange(exchanger, out, v_major, head_count)
 
 
+def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_kwargs) -> torch.Tensor:
+    """``USP``'s attention of head-sharded Q, K, V, over the ring where there is one."""
+    from xfuser.core.distributed import get_ring_parallel_world_size
+    from xfuser.model_executor.layers.usp import ring_attn
+
+    kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
+    if get_ring_parallel_world_size() == 1:
+        out, _ = attention_function(query, key, value, **kwargs)
+        return out
+    return ring_attn(attention_function, query, key, value, **kwargs)
+
+
 @torch.compiler.disable
-def exchange_inputs(query, key, value: PendingExchange, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs):
+def exchange_inputs(query, key, value: PendingExchange | torch.Tensor, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs):
     """:func:`attention`'s exchanges of Q and K, and the wait for V: the exchanger, head-sharded Q,
-    K, V, the joint arguments of xfuser's attention function, V's V-Major step (or None) and that function."""
+    K, V, the joint arguments of xfuser's attention function, V's V-Major step (or None) and that function.
+    ``value``: V's exchange, or the token of a compiled graph's operator that started it."""
     from xfuser.core.distributed import get_ring_parallel_world_size
 
+    if isinstance(value, torch.Tensor):
+        value = _take_in_flight()
     value.advance()
     exchanger = value.exchanger
     world = exchanger.world_size
@@ -323,7 +407,6 @@ def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
     return None
 
 
-@torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host
 def fallback_reason(
     processor: object, extra: Callable[[], str | None] | None = None, inputs: Sequence[torch.Tensor | None] = ()
 ) -> str | None:
@@ -332,8 +415,31 @@ def fallback_reason(
     The reasons depend on settings, module attributes and input shapes, which SPMD code shares;
     the first call of a processor with given input shapes and local reason checks it with one
     small all-reduce over the Ulysses group (any rank's fall-back is everyone's), later ones reuse
-    the answer. Counted (``commstats.ran()``) and logged once per reason.
+    the answer. Counted (``commstats.ran()``: fall-backs here, V-First calls as V's exchange
+    starts) and logged once per reason.
+
+    Traced by torch.compile, V-First (with no V-Major clock) is decided in the graph from the local
+    reasons alone, which dynamo guards (a change traces again): they read settings, module attributes
+    and the call's arguments, the same on every rank, and what a rank's installation decides (fused
+    kernels) was agreed when the job started (:func:`cocodiff_xfuser.compat.fused_kernels`). A graph
+    break inside a layer would send the model's whole forward to eager (its loop over blocks cannot
+    resume), so only a fall-back or V-Major's step decisions break it, at the layer's entry.
     """
+    if torch.compiler.is_compiling() and _v_first_in_graph(processor, extra):
+        return None
+    return _decide(processor, extra, inputs)
+
+
+def _v_first_in_graph(processor: object, extra: Callable[[], str | None] | None) -> bool:
+    from xfuser.core.distributed import get_ulysses_parallel_world_size
+
+    exchanger = getattr(processor, "exchanger", None)
+    return (exchanger is not None and not exchanger.closed and get_ulysses_parallel_world_size() > 1
+            and getattr(processor, "clock", None) is None and _local_reason(extra) is None)
+
+
+@torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host
+def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: Sequence[torch.Tensor | None]) -> str | None:
     from xfuser.core.distributed import get_ulysses_parallel_world_size
 
     exchanger = getattr(processor, "exchanger", None)
@@ -342,7 +448,7 @@ def fallback_reason(
     local = _local_reason(extra)
     # Kept on the processor: (input shapes, local reason) -> the agreed reason (None: V-First runs).
     agreed = processor.__dict__.setdefault("_cocodiff_agreed", {})
-    key = (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs), local)
+    key = (tuple(None if t is None else (t.shape, t.dtype) for t in inputs), local)
     if key not in agreed:
         device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
         anyone = any_rank(local is not None, exchanger.group, device)
@@ -363,7 +469,6 @@ def stock_reason() -> str | None:
 
 def _counted(reason: str | None) -> str | None:
     if reason is None:
-        commstats.count_v_first_call()
         return None
     needed = padding.required()
     if needed is not None:  # stock cannot split these: one clear line, not stock's assertion

@@ -93,8 +93,9 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     commstats.reset_ran()
     if args.get("use_torch_compile"):
         # Each backend compiles as in a process of its own (the last one's cache entries would
-        # count toward this one's recompile limit).
+        # count toward this one's recompile limit, its counters toward this one's breaks).
         compat.torch_private("torch._dynamo", "reset")()
+        compat.torch_private("torch._dynamo.utils", "counters").clear()
     launched_before = len(transport.launches())
     runner = xFuserModelRunner(args)
     input_args = runner.preprocess_args(args)

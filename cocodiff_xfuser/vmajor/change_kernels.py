@@ -14,11 +14,11 @@ ranks first.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from cocodiff_xfuser import commstats
+from cocodiff_xfuser.comm import residual_kernels
 
 try:
     import triton
@@ -31,13 +31,9 @@ KINDS = {"squared change": 0, "absolute change": 1, "squared reference": 2, "squ
 
 
 def usable(x: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether the kernels run: triton present, an accelerator (or the interpreter), both
-    contiguous in float32 or bf16."""
-    if triton is None:
-        return False
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return ((interpreted or {x.device.type, reference.device.type} <= {"cuda", "xpu"})
-            and all(t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16) for t in (x, reference)))
+    """Whether the kernels run: where the residual kernels do (triton present, an accelerator or
+    the interpreter, both contiguous in float32 or bf16)."""
+    return residual_kernels.usable(x, reference)
 
 
 def sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims: tuple[int, ...]

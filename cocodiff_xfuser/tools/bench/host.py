@@ -9,7 +9,8 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
   step and its ratio to stock's;
 * **host time**: each configuration alone with its point-to-point batches taken out (every batch is
   posted as nothing and completes at once, so gloo's latency is not counted; the exchanges move no
-  data, byte messages arrive as zeros, and the images mean nothing; the fair flat exchange is
+  data, byte messages echo what the rank sends its peer (or arrive as zeros), the time that takes is
+  not counted, and the images mean nothing; the fair flat exchange is
   forced, so that every exchange is such a batch): the time the timed calls spent in cocodiff's entry points, outermost calls only: the
   V-First processors' decision at a layer's entry, V's start, Q/K's exchange with V's wait, the
   output exchange, and, under stock's processors, the routed exchange (``Exchanger.all_to_all``).
@@ -147,6 +148,10 @@ class _Timer:
     def __init__(self) -> None:
         self.seconds = {"decision_s": 0.0, "exchange_s": 0.0}
         self._depth = 0
+        self._excluded = 0.0  # inside timed calls: time that stands for the collectives
+
+    def exclude(self, seconds: float) -> None:
+        self._excluded += seconds
 
     def wrap(self, fn, kind: str):
         import torch
@@ -156,11 +161,11 @@ class _Timer:
             if self._depth:
                 return fn(*args, **kwargs)
             self._depth += 1
-            started = time.perf_counter()
+            excluded, started = self._excluded, time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[kind] += time.perf_counter() - started
+                self.seconds[kind] += time.perf_counter() - started - (self._excluded - excluded)
                 self._depth -= 1
 
         return torch.compiler.disable(timed)
@@ -181,12 +186,21 @@ def _worker(argv: list[str]) -> None:
     Exchanger.all_to_all = timer.wrap(Exchanger.all_to_all, "exchange_s")
 
     def post_nothing(recv, send, group, role, what, buffers=()):
-        # Nothing crosses. Byte messages (V-Major's indices and rows) are zeroed: indices received
-        # as whatever memory held would index out of range.
-        for pieces in recv:
-            for piece in pieces:
-                if piece.dtype == torch.uint8:
+        # Nothing crosses. Byte messages (V-Major's masks and rows) that no sent piece matches are
+        # zeroed and the rest echo what this rank sends that peer (the counts are agreed, so a
+        # mask still marks as many rows as arrive): a mask received as whatever memory held would
+        # mark rows out of range. Not counted as host time: it stands for the collective.
+        started = time.perf_counter()
+        for into, out in zip(recv, send):
+            for i, piece in enumerate(into):
+                if piece.dtype != torch.uint8:
+                    continue
+                echo = out[i] if i < len(out) else None
+                if echo is not None and echo.dtype == piece.dtype and echo.shape == piece.shape:
+                    piece.copy_(echo)
+                else:
                     piece.zero_()
+        timer.exclude(time.perf_counter() - started)
         return transport.Completion([], "", group, what)
 
     transport.post = post_nothing
