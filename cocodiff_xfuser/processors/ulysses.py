@@ -117,6 +117,12 @@ class PendingExchange:
         V's shape but for the number of tensors, and ``step`` covers Q/K of that shape."""
         return self._riding is not None and self._riding[0].shape[2:] == shape[2:] and step.covers("qk", self._riding[0])
 
+    def keep_inputs(self) -> None:
+        """Copy what this exchange reads of its inputs after starting (V waiting to ride with Q/K):
+        a compiled graph may reuse an operator's inputs as soon as it returns."""
+        if self._riding is not None:
+            self._riding = (self._riding[0], self._riding[1].clone())
+
     def _carried_by(self, covered: _Covered) -> None:
         """V's rows left with Q/K's exchange ``covered``, which holds V's result."""
         self._riding, self._covered, self._handle, self._carried = None, covered, covered.handle, True
@@ -215,11 +221,11 @@ def start_input_exchange(
 
     ``layer``: V's exchange of a layer under V-Major; ``v_major``: Q/K's, following V's decision;
     ``carrying``: V's exchange, which rides with these where it waits to (else it starts now).
-    Traced by torch.compile, V's exact exchange (no V-Major layer) is an operator of the graph, which
-    returns a token for :func:`attention` (the exchange in flight waits in the process's slot).
+    Traced by torch.compile, V's exchange is an operator of the graph, which returns a token for
+    :func:`attention` (the exchange in flight waits in the process's slot).
     """
-    if torch.compiler.is_compiling() and len(tensors) == 1 and layer is None and v_major is None and carrying is None:
-        return torch.ops.cocodiff.v_first_start(tensors[0], label)
+    if torch.compiler.is_compiling() and len(tensors) == 1 and v_major is None and carrying is None:
+        return torch.ops.cocodiff.v_first_start(tensors[0], label, -1 if layer is None else layer.number)
     return _start_input_exchange(exchanger, *tensors, label=label, layer=layer, v_major=v_major, carrying=carrying)
 
 
@@ -229,25 +235,34 @@ def _start_input_exchange(exchanger, *tensors, label, layer, v_major, carrying) 
     return PendingExchange(exchanger, tensors, label, layer, v_major, carrying)
 
 
-# V's exact exchange started by a compiled graph's operator, until Q/K's operator waits for it.
-# Operators hold no Python objects, so it waits here: one at a time per process, since a layer
-# waits for its V before the next layer starts one (an earlier graph that failed between the two
-# leaves one, replaced by the next start).
+# A compiled layer's exchanges are operators, which hold no Python objects: V's exchange started by
+# one waits here until Q/K's operator waits for it, and V-Major's step, which covers the output
+# exchange, until the output's operator. One layer at a time per process: a layer ends before the
+# next one starts (a graph that failed mid-layer leaves them, replaced by the next layer's).
 _in_flight: PendingExchange | None = None
+_covering: policy.Step | None = None
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy where it views other memory (V-Major's caches): a graph may reuse an
+    operator's output as scratch memory."""
+    return t if t._base is None else t.clone()
 
 
 @torch.library.custom_op("cocodiff::v_first_start", mutates_args=())
-def _start_operator(value: torch.Tensor, label: str) -> torch.Tensor:
-    """V's exact input exchange in a compiled graph, started through the job's exchanger (the one the
-    processors were given); the token it returns orders Q/K's operator after it."""
+def _start_operator(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
+    """V's input exchange in a compiled graph, started through the job's exchanger (the one the
+    processors were given), under the V-Major layer numbered ``layer`` (-1: none); the token it
+    returns orders Q/K's operator after it."""
     global _in_flight
     commstats.count_v_first_call()
-    _in_flight = PendingExchange(job.exchanger(), (value,), label)
+    _in_flight = PendingExchange(job.exchanger(), (value,), label, None if layer < 0 else policy.numbered(layer))
+    _in_flight.keep_inputs()
     return value.new_empty(0)
 
 
 @_start_operator.register_fake
-def _(value: torch.Tensor, label: str) -> torch.Tensor:
+def _(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
     return value.new_empty(0)
 
 
@@ -262,8 +277,9 @@ def _take_in_flight() -> PendingExchange:
 @torch.library.custom_op("cocodiff::v_first_inputs", mutates_args=())
 def _inputs_operator(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q/K's exchange and the wait for V (:func:`exchange_inputs`) in a compiled graph: head-sharded Q, K, V."""
-    _, query, key, value, *_ = exchange_inputs(query, key, _take_in_flight(), None, None, None, None, None)
-    return query.contiguous(), key.contiguous(), value.contiguous()
+    global _covering
+    _, query, key, value, _, _covering, _ = exchange_inputs(query, key, _take_in_flight(), None, None, None, None, None)
+    return tuple(_owned(t.contiguous()) for t in (query, key, value))
 
 
 @_inputs_operator.register_fake
@@ -277,8 +293,10 @@ def _(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torc
 
 @torch.library.custom_op("cocodiff::v_first_output", mutates_args=())
 def _output_operator(out: torch.Tensor, heads: int) -> torch.Tensor:
-    """The exact output exchange (:func:`output_exchange`) in a compiled graph."""
-    return output_exchange(job.exchanger(), out, None, heads).contiguous()
+    """The output exchange (:func:`output_exchange`, covered by the layer's V-Major step) in a compiled graph."""
+    global _covering
+    step, _covering = _covering, None
+    return _owned(output_exchange(job.exchanger(), out, step, heads).contiguous())
 
 
 @_output_operator.register_fake
@@ -306,8 +324,8 @@ def attention(
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
 
-    Under torch.compile the exact exchanges (``value`` the token of V's operator, no joint tensors
-    or attention arguments, Q and K alike) are operators of the graph; the others are graph breaks
+    Under torch.compile the exchanges (``value`` the token of V's operator, no joint tensors or
+    attention arguments, Q and K alike) are operators of the graph; the others are graph breaks
     (:func:`exchange_inputs` and :func:`output_exchange`). Their host work stays out of traced code
     either way; the attention itself is traced.
     """
@@ -418,12 +436,12 @@ def fallback_reason(
     the answer. Counted (``commstats.ran()``: fall-backs here, V-First calls as V's exchange
     starts) and logged once per reason.
 
-    Traced by torch.compile, V-First (with no V-Major clock) is decided in the graph from the local
-    reasons alone, which dynamo guards (a change traces again): they read settings, module attributes
-    and the call's arguments, the same on every rank, and what a rank's installation decides (fused
-    kernels) was agreed when the job started (:func:`cocodiff_xfuser.compat.fused_kernels`). A graph
-    break inside a layer would send the model's whole forward to eager (its loop over blocks cannot
-    resume), so only a fall-back or V-Major's step decisions break it, at the layer's entry.
+    Traced by torch.compile, V-First is decided in the graph from the local reasons alone, which
+    dynamo guards (a change traces again): they read settings, module attributes and the call's
+    arguments, the same on every rank, and what a rank's installation decides (fused kernels) was
+    agreed when the job started (:func:`cocodiff_xfuser.compat.fused_kernels`). A graph break inside a
+    layer would send the model's whole forward to eager (its loop over blocks cannot resume), so
+    only a fall-back or auto's steps (which may hand a step to stock) break it, at the layer's entry.
     """
     if torch.compiler.is_compiling() and _v_first_in_graph(processor, extra):
         return None
@@ -434,8 +452,9 @@ def _v_first_in_graph(processor: object, extra: Callable[[], str | None] | None)
     from xfuser.core.distributed import get_ulysses_parallel_world_size
 
     exchanger = getattr(processor, "exchanger", None)
+    clock = getattr(processor, "clock", None)
     return (exchanger is not None and not exchanger.closed and get_ulysses_parallel_world_size() > 1
-            and getattr(processor, "clock", None) is None and _local_reason(extra) is None)
+            and (clock is None or not clock.may_hand_to_stock()) and _local_reason(extra) is None)
 
 
 @torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host

@@ -245,6 +245,11 @@ class Clock:
         """Whether this step runs without V-Major (one of auto's timed exact steps)."""
         return self.trial is not None and self.current is not None and self.trial.arm(self.current.step) not in (None, "v-major")
 
+    def may_hand_to_stock(self) -> bool:
+        """Whether some step may yet run xfuser's processors (auto's trial under way, or its choice).
+        Read in compiled graphs: nothing it reads changes from step to step."""
+        return self.stock or self.trial is not None
+
     def stock_step(self) -> bool:
         """Whether this step's attention runs xfuser's processors over cocodiff's exchange (auto found
         V-First not faster, or this is one of its timed stock steps)."""

@@ -3,8 +3,10 @@ and the rows each exchange the decision covers sends over slow links."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,15 @@ from cocodiff_xfuser.vmajor.state import Caches, cache_bytes
 logger = logging.getLogger("cocodiff_xfuser")
 
 
+_numbers = itertools.count()
+_by_number: weakref.WeakValueDictionary[int, Layer] = weakref.WeakValueDictionary()
+
+
+def numbered(number: int) -> Layer:
+    """The layer whose :attr:`Layer.number` is ``number``."""
+    return _by_number[number]
+
+
 class Layer:
     """The V-Major state of one attention layer (owned by its V-First processor), whose exchanges
     send the chunks of the group ranks ``crossing`` over slow links (the others are node-mates')."""
@@ -30,6 +41,9 @@ class Layer:
         self.runs = [(run[0], run[-1] + 1) for run in sparse.runs(crossing)]
         self.index = clock.layers
         clock.layers += 1
+        #: How a compiled graph's operators, which hold no Python objects, name this layer (:func:`numbered`).
+        self.number = next(_numbers)
+        _by_number[self.number] = self
 
     def stopped(self) -> bool:
         """Whether this call runs without V-Major, as V-First alone: auto turned it off for the job
