@@ -61,7 +61,15 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._dynamo", "reset"),
     # The CPU flash kernel that returns the log-sum-exp ring attention merges with (tests on CPU).
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
+    # Which tensor a view views: a compiled graph's operator returns its own memory, never a view of
+    # memory cocodiff keeps (a graph may reuse an operator's output as scratch memory).
+    ("torch.Tensor", "_base"),
 )
+
+
+def views_another(t: Any) -> bool:
+    """Whether tensor ``t`` is a view of another tensor's memory."""
+    return torch_private("torch.Tensor", "_base").__get__(t) is not None
 
 
 class IncompatibleXfuser(RuntimeError):

@@ -246,10 +246,11 @@ _covering: policy.Step | None = None
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy where it views other memory (V-Major's caches): a graph may reuse an
     operator's output as scratch memory."""
-    return t if t._base is None else t.clone()
+    return t.clone() if compat.views_another(t) else t
 
 
-@torch.library.custom_op("cocodiff::v_first_start", mutates_args=())
+# cudagraph_unsafe: the operators run host code and collectives, which a CUDA graph's replay would skip.
+@torch.library.custom_op("cocodiff::v_first_start", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _start_operator(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
     """V's input exchange in a compiled graph, started through the job's exchanger (the one the
     processors were given), under the V-Major layer numbered ``layer`` (-1: none); the token it
@@ -274,7 +275,7 @@ def _take_in_flight() -> PendingExchange:
     return pending
 
 
-@torch.library.custom_op("cocodiff::v_first_inputs", mutates_args=())
+@torch.library.custom_op("cocodiff::v_first_inputs", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _inputs_operator(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q/K's exchange and the wait for V (:func:`exchange_inputs`) in a compiled graph: head-sharded Q, K, V."""
     global _covering
@@ -291,7 +292,7 @@ def _(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torc
     return query.new_empty(b, local_heads, world * s, d), key.new_empty(b, local_heads, keys, d), key.new_empty(b, local_heads, keys, d)
 
 
-@torch.library.custom_op("cocodiff::v_first_output", mutates_args=())
+@torch.library.custom_op("cocodiff::v_first_output", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _output_operator(out: torch.Tensor, heads: int) -> torch.Tensor:
     """The output exchange (:func:`output_exchange`, covered by the layer's V-Major step) in a compiled graph."""
     global _covering

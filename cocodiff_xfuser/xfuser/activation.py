@@ -102,7 +102,8 @@ def _routed_all_to_all(original):
     return _sdpa_all_to_all_single
 
 
-@torch.library.custom_op("cocodiff::ulysses_all_to_all", mutates_args=())
+# cudagraph_unsafe: the operators run host code and collectives, which a CUDA graph's replay would skip.
+@torch.library.custom_op("cocodiff::ulysses_all_to_all", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _compiled_all_to_all(x: torch.Tensor) -> torch.Tensor:
     """xfuser's Ulysses exchange in a compiled cocodiff job (its graphs hold this operator, and a
     compiled stock job runs xfuser's own function): the job's exchanger, a new contiguous tensor."""

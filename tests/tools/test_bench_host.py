@@ -47,7 +47,7 @@ def test_an_unknown_mode_is_one_line(capsys):
 def test_the_report_gives_every_configuration_eager_and_compiled(capsys):
     # 4 steps: V-Major's exchanges go sparse after its 2 warm-up steps (the batches taken out, the
     # masks that arrive must still mark the rows that do).
-    assert cli.main(["bench", "host", "--steps", "4", "--repeat", "1", "--json"]) == 0
+    assert cli.main(["bench", "host", "--steps", "4", "--repeat", "1", "--rounds", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     rows = {row["name"]: row for row in report["configs"]}
     assert list(rows) == ["ulysses", *host.CONFIGS]

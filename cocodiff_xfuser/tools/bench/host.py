@@ -6,7 +6,8 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
 (2 ranks as topology 2x1, so V-Major is active; one job at a time):
 
 * **steps**: stock and every configuration in one job (``generate --repeat``): each one's median
-  step and its ratio to stock's;
+  step and its ratio to stock's; ``--rounds`` such jobs, the medians over them (this host's speed
+  drifts by tens of percent between jobs minutes apart, and a ratio within one job by a few);
 * **host time**: each configuration alone with its point-to-point batches taken out (every batch is
   posted as nothing and completes at once, so gloo's latency is not counted; the exchanges move no
   data, byte messages echo what the rank sends its peer (or arrive as zeros), the time that takes is
@@ -46,6 +47,7 @@ TARGETS = {
 }
 DEFAULT_STEPS = 12
 DEFAULT_REPEAT = 5
+DEFAULT_ROUNDS = 3
 TIMEOUT_S = 900.0
 _RESULT = "host.json"
 
@@ -85,24 +87,27 @@ def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out:
     }
 
 
-def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: float = TIMEOUT_S) -> dict:
-    """The report: per configuration (stock first) and mode, the step, its ratio to stock's and, for
-    cocodiff's, its own host time per exchange and per layer."""
+def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: float = TIMEOUT_S, rounds: int = DEFAULT_ROUNDS) -> dict:
+    """The report: per configuration (stock first) and mode, the step, its ratio to stock's (medians
+    over ``rounds`` jobs, each ratio within its job) and, for cocodiff's, its own host time per
+    exchange and per layer."""
     rows = {name: {"name": name} for name in ("ulysses", *CONFIGS)}
     with tempfile.TemporaryDirectory(prefix="cocodiff-bench-host-") as tmp:
         for mode in modes:
             compiled = mode == "compiled"
-            step = _steps(model, steps, repeat, compiled, Path(tmp) / f"steps-{mode}", timeout)
-            rows["ulysses"][mode] = {"step_s": step["ulysses"], "step_ratio": 1.0}
+            jobs = [_steps(model, steps, repeat, compiled, Path(tmp) / f"steps-{mode}-{r}", timeout) for r in range(rounds)]
+            rows["ulysses"][mode] = {"step_s": statistics.median(j["ulysses"] for j in jobs), "step_ratio": 1.0}
             for config in CONFIGS:
                 host = _host(model, config, steps, repeat, compiled, Path(tmp) / f"host-{mode}-{config}", timeout)
-                rows[config][mode] = {"step_s": step[config], "step_ratio": step[config] / step["ulysses"], **host}
-    return {"model": model, "steps": steps, "repeat": repeat, "targets": TARGETS, "configs": list(rows.values())}
+                ratios = [j[config] / j["ulysses"] for j in jobs]
+                rows[config][mode] = {"step_s": statistics.median(j[config] for j in jobs), "step_ratio": statistics.median(ratios),
+                                      "step_ratios": ratios, **host}
+    return {"model": model, "steps": steps, "repeat": repeat, "rounds": rounds, "targets": TARGETS, "configs": list(rows.values())}
 
 
 def print_report(report: dict) -> None:
     print(f"cocodiff bench host: {report['model']}, Ulysses 2 on loopback (topology 2x1), {report['steps']} steps, "
-          f"median of {report['repeat']} calls; host time with the batches taken out")
+          f"median of {report['repeat']} calls, of {report['rounds']} jobs; host time with the batches taken out")
     print(f"{'configuration':<24} {'mode':<9} {'step ms':>8} {'vs stock':>9} {'us/exchange':>12} {'us/layer':>9}")
     for row in report["configs"]:
         for mode in MODES:
@@ -122,6 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="cocodiff/tiny-flux", help="an xdit model name (device work should be negligible)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed pipeline calls per configuration")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="jobs timing every configuration's steps (medians over them)")
     p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both, comma-separated")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per torchrun job")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -132,7 +138,7 @@ def run_cli(args: argparse.Namespace) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"--modes: {', '.join(unknown)} not among {', '.join(MODES)}")
-    report = run(args.model, args.steps, args.repeat, modes, args.timeout)
+    report = run(args.model, args.steps, args.repeat, modes, args.timeout, args.rounds)
     if args.json:
         print(json.dumps(report))
     else:
