@@ -156,10 +156,10 @@ class Exchanger:
         payload to choose with, ``exact_bytes()`` gives the exchange's size uncompressed, on the wire."""
         route = self._routes.get(key)
         if route is None:
-            route = self.finish(lambda: self._decide(key, payload(), exact_bytes()), key[0], "autotune")
+            route = self.finish(lambda: self._new_route(key, payload(), exact_bytes()), key[0], "autotune")
         return route
 
-    def _decide(self, key: tuple, x: torch.Tensor, exact_bytes: int) -> _Route:
+    def _new_route(self, key: tuple, x: torch.Tensor, exact_bytes: int) -> _Route:
         algorithm = self._choose(x)
         parts = self.autotune.parts(x, self.group) if algorithm == "hierarchical" else 1
         share = self.layout.slow_share

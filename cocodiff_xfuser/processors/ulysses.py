@@ -440,7 +440,7 @@ def fallback_reason(
     Traced by torch.compile, V-First is decided in the graph from the local reasons alone, which
     dynamo guards (a change traces again): they read settings, module attributes and the call's
     arguments, the same on every rank, and what a rank's installation decides (fused kernels) was
-    agreed when the job started (:func:`cocodiff_xfuser.compat.fused_kernels`). A graph break inside a
+    agreed when the processors were installed (:func:`cocodiff_xfuser.compat.fused_kernels`). A graph break inside a
     layer would send the model's whole forward to eager (its loop over blocks cannot resume), so
     only a fall-back or auto's steps (which may hand a step to stock) break it, at the layer's entry.
     """
