@@ -46,6 +46,8 @@ JOBS = {
     "flux-u2r2": ("tiny-flux", 2, 2, "2x2", ("ulysses", "cocodiff+vfirst", "vmajor"), (), 3),
     "flux-u2-auto": ("tiny-flux", 2, 1, "2x1", ("ulysses", "auto"), (), 11),
     "flux-u2-policies": ("tiny-flux", 2, 1, "2x1", ("ulysses", *POLICIES), (), 3),
+    # Wan hands its attention function settings (attention_kwargs): still one graph.
+    "wan-u2": ("tiny-wan", 2, 1, "2x1", ("ulysses", "cocodiff+vfirst"), (), 3),
 }
 SLOW_JOBS = {"sd3-u2-fp8", "flux-u2r2", "flux-u2-auto", "flux-u2-policies"}
 CASES = [["a cat", 1], ["a dog", 2]]
@@ -74,6 +76,7 @@ def _generate(job: str, out: Path) -> Path:
 def generated(at_first_use):
     tiny_models.ensure_fixture("tiny-flux")
     tiny_models.ensure_fixture("tiny-sd3")
+    tiny_models.ensure_fixture("tiny-wan")
     return at_first_use(_generate)
 
 

@@ -325,13 +325,14 @@ def attention(
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
 
-    Under torch.compile the exchanges (``value`` the token of V's operator, no joint tensors or
-    attention arguments, Q and K alike) are operators of the graph; the others are graph breaks
+    Under torch.compile the exchanges (``value`` the token of V's operator, no joint tensors, no
+    K/V trim, Q and K alike) are operators of the graph; the others are graph breaks
     (:func:`exchange_inputs` and :func:`output_exchange`). Their host work stays out of traced code
     either way; the attention itself is traced.
     """
     head_count = query.shape[1]
-    if isinstance(value, torch.Tensor) and joint_strategy is None and not attention_kwargs and query.shape == key.shape:
+    kv_trim = bool(attention_kwargs) and attention_kwargs.get("valid_kv_len") is not None  # USP's trailing K/V trim
+    if isinstance(value, torch.Tensor) and joint_strategy is None and not kv_trim and query.shape == key.shape:
         # Traced, V's exchange an operator in flight: the exchanges are operators too, not graph breaks.
         query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, value)
         out = _attend(compat.usp("_get_attention_function")(), query, key, value, None, attention_kwargs)
