@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from cocodiff_xfuser.tools import cli
 from cocodiff_xfuser.tools.bench import host
@@ -37,6 +38,41 @@ def test_the_time_standing_for_the_collectives_is_not_counted():
 
 
 @pytest.mark.unit
+def test_the_kernels_stand_ins_compute_what_the_torch_reference_does(monkeypatch):
+    # The host job runs V-Major's GPU path with each Triton launch stood in for: its decisions
+    # (which tokens, what travels) must be those the reference makes, and the launches' time is not counted.
+    pytest.importorskip("triton")
+    from cocodiff_xfuser.comm import residual_kernels, residuals
+    from cocodiff_xfuser.vmajor import change_kernels, policy
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 64, generator=gen)
+    reference = x + 0.01 * torch.randn(x.shape, generator=gen)
+    held = torch.randn(x.shape, generator=gen)
+    rows = torch.tensor([1, 5, 7, 30])
+
+    def run() -> list[torch.Tensor]:
+        ref, into, whole = reference.clone(), held.clone(), held[:, :, :4].contiguous()
+        payload = residuals.encode(x, ref, rows, 2, torch.int4)
+        residuals.apply(into, payload, rows, 2, True)
+        residuals.apply(whole, payload, None, 2, True)
+        sums = [t for dims, kinds in (((0, 3), ("squared change", "squared value")), ((1, 3), ("absolute change", "squared reference")))
+                for pair in policy._sums(kinds, x, reference, dims) for t in pair]
+        return [payload, ref, into, whole, *sums]
+
+    expected = run()
+    timer = host._Timer()
+    for module, name in ((residual_kernels, "_DEVICES"), (residual_kernels, "_encode"), (residual_kernels, "_apply"),
+                         (change_kernels, "_amax"), (change_kernels, "_sums")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    host._kernels_stood_in(timer)
+    assert residual_kernels.usable(x, reference)
+    stood_in = run()
+    assert all(torch.equal(a, b) for a, b in zip(expected, stood_in))
+    assert timer._excluded > 0
+
+
+@pytest.mark.unit
 def test_an_unknown_mode_is_one_line(capsys):
     assert cli.main(["bench", "host", "--modes", "eager,graph"]) == 2
     assert capsys.readouterr().err.strip() == "cocodiff bench host: --modes: graph not among eager, compiled"
@@ -59,3 +95,5 @@ def test_the_report_gives_every_configuration_eager_and_compiled(capsys):
             # tiny-flux: 2 double and 2 single blocks per step on each rank; stock's processors
             # exchange twice per layer, V-First's at least twice (V rides with Q/K at sparse steps).
             assert m["layers_per_step"] == 4 and m["exchanges_per_step"] >= 8, (name, mode, m)
+            # V-Major's layers launch its kernels (stood in for), the exact ones none.
+            assert (m["kernel_launches_per_layer"] > 0) == (name == "cocodiff+vfirst+vmajor"), (name, mode, m)

@@ -17,7 +17,11 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
   output exchange, and, under stock's processors, the routed exchange (``Exchanger.all_to_all``).
   ``host_s_per_exchange``: the exchange entry points' time over the exchanges that ran;
   ``host_s_per_layer``: all of it over the attention layer calls (V-First calls, or with stock's
-  processors one per input and output exchange pair).
+  processors one per input and output exchange pair). V-Major takes the path a GPU takes, its
+  Triton kernels (change sums, int4 encode and apply), each launch stood in for by the torch
+  reference, whose time is not counted: it is the device's work (the reference's own operations
+  would count as host time on this CPU); ``kernel_launches_per_layer``: the launches a GPU's host
+  makes besides.
 
 Configurations are named as ``tools/generate.py``'s backends are.
 """
@@ -78,10 +82,11 @@ def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out:
             "--cocodiff-a2a", "flat-p2p", *_runner_argv(model, steps, compiled)]
     launcher.torchrun(2, argv, timeout=timeout)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"rank*-{_RESULT}"))]
-    total = {key: sum(r[key] for r in ranks) for key in ("decision_s", "exchange_s", "exchanges", "layers")}
+    total = {key: sum(r[key] for r in ranks) for key in ("decision_s", "exchange_s", "exchanges", "layers", "launches")}
     return {
         "host_s_per_exchange": total["exchange_s"] / max(total["exchanges"], 1),
         "host_s_per_layer": (total["decision_s"] + total["exchange_s"]) / max(total["layers"], 1),
+        "kernel_launches_per_layer": total["launches"] / max(total["layers"], 1),
         "exchanges_per_step": total["exchanges"] / len(ranks) / (steps * repeat),
         "layers_per_step": total["layers"] / len(ranks) / (steps * repeat),
     }
@@ -108,14 +113,14 @@ def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: fl
 def print_report(report: dict) -> None:
     print(f"cocodiff bench host: {report['model']}, Ulysses 2 on loopback (topology 2x1), {report['steps']} steps, "
           f"median of {report['repeat']} calls, of {report['rounds']} jobs; host time with the batches taken out")
-    print(f"{'configuration':<24} {'mode':<9} {'step ms':>8} {'vs stock':>9} {'us/exchange':>12} {'us/layer':>9}")
+    print(f"{'configuration':<24} {'mode':<9} {'step ms':>8} {'vs stock':>9} {'us/exchange':>12} {'us/layer':>9} {'launches':>9}")
     for row in report["configs"]:
         for mode in MODES:
             m = row.get(mode)
             if m is None:
                 continue
-            host = (f"{m['host_s_per_exchange'] * 1e6:>12.1f} {m['host_s_per_layer'] * 1e6:>9.1f}"
-                    if "host_s_per_exchange" in m else f"{'-':>12} {'-':>9}")
+            host = (f"{m['host_s_per_exchange'] * 1e6:>12.1f} {m['host_s_per_layer'] * 1e6:>9.1f} {m['kernel_launches_per_layer']:>9.2f}"
+                    if "host_s_per_exchange" in m else f"{'-':>12} {'-':>9} {'-':>9}")
             print(f"{row['name']:<24} {mode:<9} {m['step_s'] * 1e3:>8.2f} {m['step_ratio']:>8.2f}x {host}")
     t = report["targets"]
     print(f"targets: <= {t['host_s_per_exchange'] * 1e6:.0f} us per exact exchange, <= "
@@ -177,6 +182,82 @@ class _Timer:
         return torch.compiler.disable(timed)
 
 
+class _StandIn:
+    """A Triton kernel whose launches (``kernel[grid](*args)``) the torch ``reference`` computes
+    instead, its time not counted: it stands for the device's work."""
+
+    def __init__(self, reference, timer: _Timer) -> None:
+        self._reference, self._timer = reference, timer
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs) -> None:
+        started = time.perf_counter()
+        self._reference(*args, **kwargs)
+        self._timer.exclude(time.perf_counter() - started)
+
+
+def _encode_int4(x, reference, rows, out, s, k, **_):
+    """``residual_kernels._encode``: rows ``rows`` of ``x`` ``[..., s, d]`` encoded into ``out``
+    ``[..., k, row bytes]`` against ``reference``, whose rows take what they carry."""
+    from cocodiff_xfuser.comm import residuals
+
+    payload, new = residuals.encode_int4(x.index_select(-2, rows), reference.index_select(-2, rows))
+    out.copy_(payload)
+    reference.index_copy_(-2, rows, new)
+
+
+def _apply_int4(held, payload, rows, s, k, EVERY, **_):
+    """``residual_kernels._apply``: ``payload`` (``n`` planes of ``k`` rows) added to ``held`` (``n`` planes
+    of ``s`` rows) at ``rows`` (``EVERY``: every row in order), in place."""
+    from cocodiff_xfuser.comm import residuals
+
+    n = payload.numel() // (k * payload.shape[-1])
+    held, payload = held.view(n, s, -1), payload.view(n, k, -1)  # [n, s, d], [n, k, row bytes]
+    if EVERY:
+        held.copy_(residuals.add_int4(held, payload))
+    else:
+        held.index_copy_(1, rows, residuals.add_int4(held.index_select(1, rows), payload))
+
+
+#: ``change_kernels.KINDS``' quantities, per element of V and its reference (float32).
+_QUANTITIES = {0: lambda x, r: (x - r).square(), 1: lambda x, r: (x - r).abs(), 2: lambda x, r: r.square(),
+               3: lambda x, r: x.square()}
+
+
+def _change_amax(x, reference, bits, n, A, B, **_):
+    """``change_kernels._amax``: each quantity's largest element, as its float's bits."""
+    import torch
+
+    x, r = x.float(), reference.float()
+    bits.copy_(torch.stack([_QUANTITIES[A](x, r).amax(), _QUANTITIES[B](x, r).amax()]).view(torch.int32))
+
+
+def _change_sums(x, reference, bits, out, s, d, inner, groups, before, top, A, B, **_):
+    """``change_kernels._sums``: per kept group and token, each quantity floored at its scale and summed."""
+    import torch
+
+    # [before, groups, inner, s, d]: the token dim and the kept one (groups), summed over the rest.
+    x, r = (t.float().reshape(before, groups, inner, s, d) for t in (x, reference))
+    for i, kind in enumerate((A, B)):
+        up = ((1023 + top - (((bits[i] >> 23) & 0xFF).long() - 126)) << 52).view(torch.float64)
+        out[i].copy_(torch.floor(_QUANTITIES[kind](x, r).double() * up).long().sum((0, 2, 4)))
+
+
+def _kernels_stood_in(timer: _Timer) -> None:
+    """V-Major's Triton kernels launched on this CPU's tensors, each launch stood in for (the GPU's
+    path: where triton is missing, the torch reference runs, counted)."""
+    from cocodiff_xfuser.comm import residual_kernels
+    from cocodiff_xfuser.vmajor import change_kernels
+
+    if residual_kernels.triton is None:
+        return
+    residual_kernels._DEVICES = (*residual_kernels._DEVICES, "cpu")
+    residual_kernels._encode, residual_kernels._apply = _StandIn(_encode_int4, timer), _StandIn(_apply_int4, timer)
+    change_kernels._amax, change_kernels._sums = _StandIn(_change_amax, timer), _StandIn(_change_sums, timer)
+
+
 def _worker(argv: list[str]) -> None:
     import torch
 
@@ -186,6 +267,7 @@ def _worker(argv: list[str]) -> None:
     from cocodiff_xfuser.processors import ulysses
 
     timer = _Timer()
+    _kernels_stood_in(timer)
     ulysses.fallback_reason = timer.wrap(ulysses.fallback_reason, "decision_s")
     for name in ("start_input_exchange", "exchange_inputs", "output_exchange"):
         setattr(ulysses, name, timer.wrap(getattr(ulysses, name), "exchange_s"))
@@ -213,9 +295,9 @@ def _worker(argv: list[str]) -> None:
 
     counted = {}
 
-    def counts() -> tuple[int, int]:
+    def counts() -> tuple[int, int, int]:
         ran = commstats.ran()
-        return sum(ran["exchanges"].values()), ran["v_first_calls"]
+        return sum(ran["exchanges"].values()), ran["v_first_calls"], sum(ran["kernels"].values())
 
     def reset(original):
         def reset_with_timer():  # generate resets the statistics before its timed calls
@@ -228,11 +310,11 @@ def _worker(argv: list[str]) -> None:
     commstats.reset = reset(commstats.reset)
     out = Path(argv[argv.index("--out") + 1])
     generate.main(argv)
-    exchanges, v_first = (now - before for now, before in zip(counts(), counted["before"]))
+    exchanges, v_first, launches = (now - before for now, before in zip(counts(), counted["before"]))
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}-{_RESULT}").write_text(json.dumps(
-        {**timer.seconds, "exchanges": exchanges, "layers": v_first if v_first else exchanges // 2}
+        {**timer.seconds, "exchanges": exchanges, "layers": v_first if v_first else exchanges // 2, "launches": launches}
     ))
 
 
