@@ -194,7 +194,7 @@ def test_selection_policies():
     v = reference * (1 + torch.arange(10.0) / 10)[:, None]
     threshold = _layer(policy="threshold", threshold=0.45)
     assert _count(threshold, 1, 10) is None  # measured at an earlier step: nothing agreed yet
-    change, share = policy.measure(threshold.settings.rule, v, reference, 4, (0, 1, 3, 5))
+    change, share, _ = policy.measure(threshold.settings.rule, v, reference, 4, (0, 1, 3, 5))
     assert float(share) == pytest.approx(0.5) and _select(threshold, v, reference, 5) == [5, 6, 7, 8, 9]
     top = _layer(policy="top-k", fraction=0.3)
     assert _select(top, v, reference, _count(top, 1, 10)) == [7, 8, 9]
@@ -217,7 +217,7 @@ def test_the_selection_is_the_same_whatever_order_changes_are_summed_in():
     flipped = policy.token_change("rel-l2", v.flip(0, 3, 5), reference.flip(0, 3, 5), 4, (0, 1, 3, 5))
     assert torch.equal(policy.token_change("rel-l2", v, reference, 4, (0, 1, 3, 5)), flipped)
     budget = VMajorSettings.load(policy="budget", error=0.05).rule
-    squared, share = policy.measure(budget, v, reference, 4, (0, 1, 3, 5))
+    squared, share, _ = policy.measure(budget, v, reference, 4, (0, 1, 3, 5))
     assert squared.dtype == torch.int64 and squared[5] == squared[9]
     assert torch.equal(squared, policy.measure(budget, v.flip(0, 3, 5), reference.flip(0, 3, 5), 4, (0, 1, 3, 5))[0])
     ranked = torch.sort(squared, stable=True).indices.tolist()
@@ -234,7 +234,7 @@ def test_budget_share_is_the_fewest_tokens_meeting_the_error():
     change = torch.arange(10.0) ** 2
     norm2 = float(v.square().sum())
     for error in (0.05, 0.1, 0.2, 0.5):
-        squared, share = policy.measure(budget(error), v, reference, 0, (1,))
+        squared, share, _ = policy.measure(budget(error), v, reference, 0, (1,))
         assert torch.sort(squared, stable=True).indices.tolist() == list(range(10))  # smallest change first
         k = round(float(share) * 10)
         left = sorted(change.tolist(), reverse=True)[k:]

@@ -107,7 +107,7 @@ class P2PHandle:
     def wait(self) -> torch.Tensor:
         if self._result is None:
             self._done.wait()
-            self._result = self._out.view(self._dtype)
+            self._result = self._out if self._out.dtype == self._dtype else self._out.view(self._dtype)
         return self._result
 
 

@@ -162,17 +162,21 @@ def index_size(k: int, s: int, by_receiver: bool = False) -> int:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
+    flat = t.contiguous().view(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
+@lru_cache(maxsize=8)
 def _bit_positions(device: torch.device) -> torch.Tensor:
-    """A byte's bit positions, low first, made on the device (no copy from the host)."""
+    """A byte's bit positions, low first, made on the device once (no copy from the host)."""
     return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def view_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Received bytes (a piece, or pieces ``[n, bytes]``) as ``dtype``, copied first where they start
     off its alignment (relayed pieces, pieces of sizes it does not divide)."""
+    if dtype == torch.uint8:
+        return data
     aligned = data.storage_offset() % dtype.itemsize == 0 and (data.dim() == 1 or data.stride(0) % dtype.itemsize == 0)
     return (data if aligned else data.clone()).view(dtype)
 

@@ -114,9 +114,9 @@ def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_di
     read on the host."""
     settings, clock, index, rule = layer.settings, layer.clock, layer.index, layer.settings.rule
     step, tokens = clock.current.step, x.shape[token_dim]
-    change = None  # per token: the change the policy ranks by
+    change = order = None  # per token: the change the policy ranks by, and its stable ascending order
     if reference is not None and isinstance(rule, (Budget, Threshold)):  # measured at every step, for later ones
-        change, share = measure(rule, x, reference, token_dim, select_dims)
+        change, share, order = measure(rule, x, reference, token_dim, select_dims)
         clock.need(index, share)
     k = None if reference is None else count(settings, clock, index, step, tokens)
     if step < settings.warmup_steps or k is None:
@@ -134,9 +134,10 @@ def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_di
     if k >= tokens:  # every token, as residuals: in order, so no index travels
         active = torch.arange(tokens, device=x.device)
     else:
-        if change is None:
-            change = token_change(rule.metric, x, reference, token_dim, select_dims)
-        active = torch.sort(change, stable=True).indices[tokens - k:].sort().values  # ascending, as the mask sends them
+        if order is None:
+            change = token_change(rule.metric, x, reference, token_dim, select_dims) if change is None else change
+            order = torch.sort(change, stable=True).indices
+        active = order[tokens - k:].sort().values  # ascending, as the mask sends them
     commstats.count_v_major(step, index, k, tokens)
     return sparse.Selection.fixed(active, world)
 
@@ -156,21 +157,22 @@ def count(settings: VMajorSettings, clock: Clock, layer: int, step: int, s: int)
 
 
 def measure(rule: Budget | Threshold, x: torch.Tensor, reference: torch.Tensor, token_dim: int,
-            select_dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token, the change ``rule`` ranks by, and the share of tokens it would send now (a device
-    scalar): budget, the fewest tokens (largest squared change first) leaving V's relative L2 error
-    as the receivers hold it within ``rule.error``; threshold, those whose change exceeds it."""
+            select_dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per token, the change ``rule`` ranks by, the share of tokens it would send now (a device
+    scalar), and where it sorted them (budget), the tokens by ascending change (stable): budget, the
+    fewest tokens (largest squared change first) leaving V's relative L2 error as the receivers hold
+    it within ``rule.error``; threshold, those whose change exceeds it."""
     if isinstance(rule, Threshold):
         change = token_change(rule.metric, x, reference, token_dim, select_dims)
         bound = rule.threshold**2 if rule.metric == "rel-l2" else rule.threshold
-        return change, (change > bound).sum().float() / change.numel()
+        return change, (change > bound).sum().float() / change.numel(), None
     others = tuple(d for d in range(x.dim()) if d != token_dim)
     # Per token, the squared change and V's squared norm, [s] int64 each, exact.
     (squared, scale), (norms, norm_scale) = _sums(("squared change", "squared value"), x, reference, others)
-    ordered = squared.sort(stable=True).values
+    ordered, order = squared.sort(stable=True)
     allowed = norms.sum().double() * norm_scale * rule.error**2
     left_out = (ordered.cumsum(0).double() * scale <= allowed).sum()
-    return squared, 1.0 - left_out.float() / squared.numel()
+    return squared, 1.0 - left_out.float() / squared.numel(), order
 
 
 def token_change(metric: str, x: torch.Tensor, reference: torch.Tensor, token_dim: int,

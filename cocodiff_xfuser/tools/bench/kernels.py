@@ -170,11 +170,13 @@ def layer(model: str, size: int, ulysses: int, device: torch.device, dtype: torc
         def ranked() -> torch.Tensor:
             """The tokens to send: the policy's change per token, ranked (no host read)."""
             rule = settings.rule
+            change = order = None
             if isinstance(rule, (Budget, Threshold)):
-                change = policy.measure(rule, v_rank, reference, 4, (0, 1, 3, 5))[0]
-            else:
-                change = policy.token_change(rule.metric, v_rank, reference, 4, (0, 1, 3, 5))
-            return torch.sort(change, stable=True).indices[s_local - k:]
+                change, _, order = policy.measure(rule, v_rank, reference, 4, (0, 1, 3, 5))
+            if order is None:  # as policy.decide ranks where the measure did not sort
+                change = policy.token_change(rule.metric, v_rank, reference, 4, (0, 1, 3, 5)) if change is None else change
+                order = torch.sort(change, stable=True).indices
+            return order[s_local - k:]
 
         sent = ranked()
         rank_s = timed(ranked, reps)
