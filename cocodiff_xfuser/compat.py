@@ -38,6 +38,10 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     (f"{_TRANSFORMERS}.transformer_qwen", "_HAS_FLYDSL"),
     (f"{_TRANSFORMERS}.transformer_wan", "_HAS_FLYDSL"),
     ("xfuser.model_executor.models.runner_models.wan", "_build_attention_kwargs"),  # the tiny Wan (tools/)
+    # Stock's Ulysses exchanges, timed by ``cocodiff bench host`` (tools/) for stock's host time.
+    (_USP, "_combined_qkv_all_to_all"),
+    (_USP, "_ft_c_input_all_to_all"),
+    (_USP, "_ft_c_output_all_to_all"),
 )
 
 

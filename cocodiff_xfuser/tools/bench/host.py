@@ -21,7 +21,9 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
   Triton kernels (change sums, int4 encode and apply), each launch stood in for by the torch
   reference, whose time is not counted: it is the device's work (the reference's own operations
   would count as host time on this CPU); ``kernel_launches_per_layer``: the launches a GPU's host
-  makes besides.
+  makes besides. For reference, stock eager is timed the same way in xfuser's own exchange
+  functions (the input and output all-to-all: layouts around the collective, which is stood in
+  for); compiled, they are traced into the graph.
 
 Configurations are named as ``tools/generate.py``'s backends are.
 """
@@ -76,10 +78,11 @@ def _steps(model: str, steps: int, repeat: int, compiled: bool, out: Path, timeo
 
 
 def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float) -> dict:
-    """One configuration alone, its batches taken out: its entry points' time, summed over the ranks'
-    timed calls, and what they ran."""
+    """One configuration alone, its batches (stock: its collectives) taken out: its entry points'
+    time, summed over the ranks' timed calls, and what they ran."""
+    forced = [] if config == "ulysses" else ["--cocodiff-a2a", "flat-p2p"]
     argv = ["-m", "cocodiff_xfuser.tools.bench.host", "--worker", "--out", str(out), "--backends", config, "--repeat", str(repeat),
-            "--cocodiff-a2a", "flat-p2p", *_runner_argv(model, steps, compiled)]
+            *forced, *_runner_argv(model, steps, compiled)]
     launcher.torchrun(2, argv, timeout=timeout)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"rank*-{_RESULT}"))]
     total = {key: sum(r[key] for r in ranks) for key in ("decision_s", "exchange_s", "exchanges", "layers", "launches")}
@@ -102,6 +105,8 @@ def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: fl
             compiled = mode == "compiled"
             jobs = [_steps(model, steps, repeat, compiled, Path(tmp) / f"steps-{mode}-{r}", timeout) for r in range(rounds)]
             rows["ulysses"][mode] = {"step_s": statistics.median(j["ulysses"] for j in jobs), "step_ratio": 1.0}
+            if not compiled:  # compiled, stock's exchanges are traced: no Python of theirs runs per call
+                rows["ulysses"][mode].update(_host(model, "ulysses", steps, repeat, compiled, Path(tmp) / "host-eager-ulysses", timeout))
             for config in CONFIGS:
                 host = _host(model, config, steps, repeat, compiled, Path(tmp) / f"host-{mode}-{config}", timeout)
                 ratios = [j[config] / j["ulysses"] for j in jobs]
@@ -258,6 +263,31 @@ def _kernels_stood_in(timer: _Timer) -> None:
     change_kernels._amax, change_kernels._sums = _StandIn(_change_amax, timer), _StandIn(_change_sums, timer)
 
 
+#: xfuser's Ulysses exchanges (what stock's layers call), timed in a stock job.
+_STOCK_EXCHANGES = ("_combined_qkv_all_to_all", "_ft_c_input_all_to_all", "_ft_c_output_all_to_all")
+
+
+def _stock_timed(timer: _Timer) -> None:
+    """Stock's exchange functions timed, the functional all-to-all under them stood in for (a copy
+    of the input, not counted)."""
+    import importlib
+
+    from cocodiff_xfuser import compat
+
+    for name in _STOCK_EXCHANGES:
+        function = compat.usp(name)
+        setattr(importlib.import_module(function.__module__), name, timer.wrap(function, "exchange_s"))
+    collective = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
+
+    def nothing(x, *args, **kwargs):
+        started = time.perf_counter()
+        out = x.clone()
+        timer.exclude(time.perf_counter() - started)
+        return out
+
+    setattr(importlib.import_module(collective.__module__), "all_to_all_single", nothing)
+
+
 def _worker(argv: list[str]) -> None:
     import torch
 
@@ -268,6 +298,8 @@ def _worker(argv: list[str]) -> None:
 
     timer = _Timer()
     _kernels_stood_in(timer)
+    if argv[argv.index("--backends") + 1] == "ulysses":
+        _stock_timed(timer)
     ulysses.fallback_reason = timer.wrap(ulysses.fallback_reason, "decision_s")
     for name in ("start_input_exchange", "exchange_inputs", "output_exchange"):
         setattr(ulysses, name, timer.wrap(getattr(ulysses, name), "exchange_s"))
