@@ -38,29 +38,29 @@ T = TypeVar("T")
 
 class Exchange:
     """An exchange in flight, whichever algorithm runs it: ``advance`` launches its next phase,
-    ``wait`` gives the result in the shape the exchanger promised (``unpack``: what turns the
-    exchanged bytes back into values, for a compressed exchange; ``peers``: what a sparse exchange
-    learns of the senders' active tokens, filled by its wait)."""
+    ``wait`` gives the result in the shape the exchanger promised (``where``: its fault line's
+    place, made once; ``unpack``: what turns the exchanged bytes back into values, for a compressed
+    exchange; ``peers``: what a sparse exchange learns of the senders' active tokens, filled by its wait)."""
 
     def __init__(
-        self, exchanger: Exchanger, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str,
+        self, exchanger: Exchanger, handle: AllToAllHandle, shape: torch.Size, label: str, algorithm: str, where: str,
         unpack: Callable[[torch.Tensor], torch.Tensor] | None = None, peers: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self._exchanger, self._handle, self._shape = exchanger, handle, shape
-        self.label, self.algorithm = label, algorithm
+        self.label, self.algorithm, self._where = label, algorithm, where
         self._unpack = unpack
         self.peers = peers
         self.done = False
         self._out: torch.Tensor | None = None
 
     def advance(self) -> bool:
-        return self._exchanger.finish(self._handle.advance, self.label, self.algorithm)
+        return self._exchanger.finish(self._handle.advance, self.label, self.algorithm, self._where)
 
     def wait(self) -> torch.Tensor:
         # Idempotent: the autotune completes pending exchanges before it measures, and their
         # owners wait again later (a sparse exchange adds residuals: it must complete once).
         if not self.done:
-            out = self._exchanger.finish(self._handle.wait, self.label, self.algorithm)
+            out = self._exchanger.finish(self._handle.wait, self.label, self.algorithm, self._where)
             self._out = (out if self._unpack is None else self._unpack(out)).reshape(self._shape)
             self.done = True
         return self._out
@@ -234,7 +234,7 @@ class Exchanger:
             return self._start_slow_fp8(x, label)
         route, flat, unpack = self._flat_route(x, label)
         started = self.finish(lambda: route.start(flat), label, route.algorithm, route.where)
-        return self._pending_handle(Exchange(self, started, x.shape, label, route.algorithm, unpack))
+        return self._pending_handle(Exchange(self, started, x.shape, label, route.algorithm, route.where, unpack))
 
     @torch.compiler.disable
     def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> Exchange:
@@ -267,7 +267,7 @@ class Exchanger:
         packed = self._packed(data)  # chunks in send order, whichever layout
         data, unpack = packed if packed is not None else (data.view(-1), None)
         started = self.finish(lambda: route.start(data, **extra), label, algorithm, route.where)
-        return self._pending_handle(Exchange(self, started, shape, label, algorithm, unpack))
+        return self._pending_handle(Exchange(self, started, shape, label, algorithm, route.where, unpack))
 
     @torch.compiler.disable
     def start_sparse(
@@ -287,12 +287,13 @@ class Exchanger:
         two_phase = self.slow_level.regular and exact_algorithm in ("hierarchical", "flat-pxn")
         collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
         algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
+        where = f"{algorithm} over {self._group_desc}"
         exchange = self.finish(lambda: sparse.SparseHandle(
             x, rows, selection, self.slow_level, self.group, two_phase, into, residual, collective, by_receiver, learn_peers,
             decode,
-        ), label, algorithm)
+        ), label, algorithm, where)
         commstats.count_exchange(algorithm, label, slow_link_bytes=exchange.slow_bytes, slow_link_bytes_exact=exchange.exact_bytes)
-        return self._pending_handle(Exchange(self, exchange, into.shape, label, algorithm, peers=exchange.peers))
+        return self._pending_handle(Exchange(self, exchange, into.shape, label, algorithm, where, peers=exchange.peers))
 
     @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
@@ -324,9 +325,10 @@ class Exchanger:
         algorithm = "ring all-gather" if remote is None else "ring v-major"
         exact = transport.wire_bytes(buffer) * len(self.ring_remote)
         commstats.count_exchange(algorithm, label, slow_link_bytes=exact if step is None else step.slow_bytes, slow_link_bytes_exact=exact)
-        gather = self.finish(lambda: ring.RingGather(buffer, group, remote), label, algorithm)
+        where = f"{algorithm} over {self._group_desc}"
+        gather = self.finish(lambda: ring.RingGather(buffer, group, remote), label, algorithm, where)
         finish = None if step is None else lambda out: step.finish(out, gather.received)
-        return Exchange(self, gather, (dist.get_world_size(group), buffer.numel()), label, algorithm, finish)
+        return Exchange(self, gather, (dist.get_world_size(group), buffer.numel()), label, algorithm, where, finish)
 
     def close(self) -> None:
         """The job ended or fell back to stock: nothing starts here any more."""

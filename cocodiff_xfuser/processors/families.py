@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from cocodiff_xfuser import padding
+from cocodiff_xfuser import compat, padding
+from cocodiff_xfuser.comm.agreement import agree
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import policy, ring
@@ -117,6 +118,13 @@ def install(transformer: torch.nn.Module, exchanger: Exchanger, v_major: VMajorS
     if kept:
         logger.warning("cocodiff: no V-First processor for %s; stock processor kept", ", ".join(sorted(kept)))
     return installed
+
+
+def agree_fused_kernels() -> None:
+    """Agree, over the world, on the one rank-local fact a V-First decision reads: xfuser's fused
+    FlyDSL QK-norm/RoPE kernels (a compiled graph decides without a collective). Collective; raises
+    :class:`~cocodiff_xfuser.comm.agreement.Disagreement` naming a rank that differs."""
+    agree(compat.fused_kernels(), "xfuser's fused FlyDSL QK-norm/RoPE kernels (the transformers' modules)")
 
 
 def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings: VMajorSettings) -> None:

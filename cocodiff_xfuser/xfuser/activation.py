@@ -13,7 +13,7 @@ import torch
 
 from cocodiff_xfuser import commstats, compat, padding
 from cocodiff_xfuser.comm import subgroups
-from cocodiff_xfuser.comm.agreement import Disagreement, agree
+from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import calls, fault_policy, flags, job, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
 
@@ -220,8 +220,7 @@ def _adapt(pipe, transformers: list) -> None:
             families.install(transformer, exchanger, v_major)
         calls.bind(pipe, families.clocks(transformers))
         try:
-            # The one rank-local fact that a V-First decision reads (compiled graphs decide without a collective).
-            agree(compat.fused_kernels(), "xfuser's fused FlyDSL QK-norm/RoPE kernels (the transformers' modules)")
+            families.agree_fused_kernels()
         except Disagreement as e:
             fault_policy.end_job(str(e))
         stock = sorted({name for t in transformers for name in families.stock_usp(t)})
