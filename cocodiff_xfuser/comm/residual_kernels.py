@@ -31,13 +31,15 @@ _DEVICES = ("cuda", "xpu")
 _DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether Triton kernels run on ``t``'s device: triton present, an accelerator (or the interpreter)."""
+    return triton is not None and (_INTERPRETED or t.device.type in _DEVICES)
+
+
 def usable(*tensors: torch.Tensor | None) -> bool:
-    """Whether the kernels run on these tensors: triton present, an accelerator (or the
-    interpreter), rows contiguous, values in float32 or bf16 (the payload's bytes aside)."""
-    if triton is None:
-        return False
-    return all(t is None or ((_INTERPRETED or t.device.type in _DEVICES) and t.is_contiguous() and t.dtype in _DTYPES)
-               for t in tensors)
+    """Whether the kernels run on these tensors: :func:`runs_on` their device, rows contiguous,
+    values in float32 or bf16 (the payload's bytes aside)."""
+    return all(t is None or (runs_on(t) and t.is_contiguous() and t.dtype in _DTYPES) for t in tensors)
 
 
 def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from . import flat, residuals, subgroups, transport
+from . import flat, mask_kernels, residuals, subgroups, transport
 
 #: Rows for destination ``j`` at ``rows[j]`` (``[P, k_j, d]``): a ``[W, P, k, d]`` tensor, or a
 #: mapping with the destinations on other nodes.
@@ -136,7 +136,15 @@ class Selection:
 
 def rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
     """The ``k`` rows (int64, ascending) a mask (``[..., mask_bytes(s)]`` uint8) marks, per mask,
-    on the device without reading it: each set bit's rank among the set bits is its slot."""
+    on the device without reading it: one kernel where it runs (:mod:`.mask_kernels`), else the
+    torch reference."""
+    if mask_kernels.usable(mask):
+        return mask_kernels.rows(mask, s, k)
+    return reference_rows_of(mask, s, k)
+
+
+def reference_rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
+    """:func:`rows_of` as torch computes it: each set bit's rank among the set bits is its slot."""
     bits = ((mask.unsqueeze(-1) >> _bit_positions(mask.device)) & 1).flatten(-2)[..., :s]  # [..., s]
     slot = torch.where(bits.bool(), bits.long().cumsum(-1) - 1, k)  # unset rows to a spare slot
     every = torch.arange(s, device=mask.device).expand_as(slot)

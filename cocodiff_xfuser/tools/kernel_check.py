@@ -1,12 +1,13 @@
 """Whether V-Major's Triton kernels write the torch reference's bytes: the int4 residuals' encode
-and apply, and the per-token change sums its ranking reads.
+and apply, the per-token change sums its ranking reads, and the sparse exchange's mask decode.
 
 On an accelerator the compiled kernels run beside the reference; on a CPU the Triton interpreter
 runs them, in a process of its own (it needs ``TRITON_INTERPRET=1`` before triton is first
 imported). Cases cover float32 and bf16 values, rows of widths that are and are not powers of two
 and multiples of the group, selected rows in any order and every row in order, a group that did
-not change, and the change sums of a Ulysses exchange's V (per batch and token, or per token) and
-of a ring's K/V for every quantity.
+not change, the change sums of a Ulysses exchange's V (per batch and token, or per token) and
+of a ring's K/V for every quantity, and the sparse exchange's mask decode (one mask, or a run of
+sources' masks ahead of their rows).
 
 ``python -m cocodiff_xfuser.tools.kernel_check [--device cuda]`` prints one JSON object.
 """
@@ -21,7 +22,7 @@ import sys
 
 import torch
 
-from cocodiff_xfuser.comm import residual_kernels, residuals
+from cocodiff_xfuser.comm import mask_kernels, residual_kernels, residuals, sparse
 from cocodiff_xfuser.vmajor import change_kernels, policy
 
 #: (shape, dtype): V as a Ulysses exchange holds it ([W, 1, b, h/W, s, d]), a ring's K/V
@@ -31,6 +32,8 @@ CASES = [((4, 1, 1, 2, 24, 64), dt) for dt in (torch.float32, torch.bfloat16)] +
 #: (shape, dims summed): V's chunks for other nodes ([W', 1, b, h/W, s, d]) per batch and token,
 #: and per token; a ring's K/V ([2, T, row]) per token.
 SUM_CASES = [((2, 1, 2, 3, 20, 64), (0, 1, 3, 5)), ((2, 1, 2, 3, 20, 64), (0, 1, 2, 3, 5)), ((2, 12, 320), (0, 2))]
+#: (tokens, rows marked): masks whose bits fill whole bytes or not, a few rows or most.
+MASK_CASES = [(20, 1), (37, 12), (64, 63), (300, 150)]
 
 
 def compare(device: torch.device) -> dict:
@@ -71,6 +74,15 @@ def compare(device: torch.device) -> dict:
                 cases += 1
                 if not all(torch.equal(a, b) and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(got, want)):
                     failed.append({"shape": list(shape), "dims": list(dims), "dtype": str(dtype), "sums": list(kinds)})
+    for s, k in MASK_CASES:
+        for n in (None, 3):  # one mask, or a run of sources' pieces: masks ahead of their rows
+            chosen = [torch.randperm(s, generator=g)[:k].sort().values for _ in range(n or 1)]
+            masks = torch.stack([sparse.Selection.fixed(c, 1).mask(s) for c in chosen])
+            pieces = torch.cat([masks, torch.zeros(masks.shape[0], 5, dtype=torch.uint8)], dim=1).to(device)
+            mask = pieces[0, : masks.shape[1]] if n is None else pieces[:, : masks.shape[1]]
+            cases += 1
+            if not (mask_kernels.usable(mask) and torch.equal(mask_kernels.rows(mask, s, k), sparse.reference_rows_of(mask, s, k))):
+                failed.append({"mask of": s, "rows": k, "masks": n or 1})
     return {"triton_matches_reference": not failed, "cases": cases, "failed": failed,
             "device": str(device), "interpreted": os.environ.get("TRITON_INTERPRET") == "1"}
 

@@ -72,8 +72,9 @@ def test_int4_residuals_keep_the_copies_equal_and_send_rounding_errors_later():
 
 @pytest.mark.distributed
 def test_triton_kernels_write_the_references_bytes():
-    """One launch encodes every plane's selected rows and updates the reference, one applies them:
-    under the Triton interpreter, byte for byte what the torch reference does."""
+    """One launch encodes every plane's selected rows and updates the reference, one applies them
+    (and the change sums, and the masks' decode): under the Triton interpreter, byte for byte what
+    the torch reference does."""
     pytest.importorskip("triton")
     report = kernel_check.interpreted()
     assert report["triton_matches_reference"] is True, report

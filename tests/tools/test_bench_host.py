@@ -42,7 +42,7 @@ def test_the_kernels_stand_ins_compute_what_the_torch_reference_does(monkeypatch
     # The host job runs V-Major's GPU path with each Triton launch stood in for: its decisions
     # (which tokens, what travels) must be those the reference makes, and the launches' time is not counted.
     pytest.importorskip("triton")
-    from cocodiff_xfuser.comm import residual_kernels, residuals
+    from cocodiff_xfuser.comm import mask_kernels, residual_kernels, residuals, sparse
     from cocodiff_xfuser.vmajor import change_kernels, policy
 
     gen = torch.Generator().manual_seed(0)
@@ -58,15 +58,16 @@ def test_the_kernels_stand_ins_compute_what_the_torch_reference_does(monkeypatch
         residuals.apply(whole, payload, None, 2, True)
         sums = [t for dims, kinds in (((0, 3), ("squared change", "squared value")), ((1, 3), ("absolute change", "squared reference")))
                 for pair in policy._sums(kinds, x, reference, dims) for t in pair]
-        return [payload, ref, into, whole, *sums]
+        masks = torch.stack([sparse.Selection.fixed(rows, 1).mask(40), sparse.Selection.fixed(rows + 2, 1).mask(40)])
+        return [payload, ref, into, whole, *sums, sparse.rows_of(masks, 40, 4), sparse.rows_of(masks[1], 40, 4)]
 
     expected = run()
     timer = host._Timer()
     for module, name in ((residual_kernels, "_DEVICES"), (residual_kernels, "_encode"), (residual_kernels, "_apply"),
-                         (change_kernels, "_amax"), (change_kernels, "_sums")):
+                         (change_kernels, "_amax"), (change_kernels, "_sums"), (mask_kernels, "_rows")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     host._kernels_stood_in(timer)
-    assert residual_kernels.usable(x, reference)
+    assert residual_kernels.usable(x, reference) and mask_kernels.usable(torch.zeros(2, 8, dtype=torch.uint8))
     stood_in = run()
     assert all(torch.equal(a, b) for a, b in zip(expected, stood_in))
     assert timer._excluded > 0

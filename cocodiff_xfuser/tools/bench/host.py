@@ -18,7 +18,7 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
   ``host_s_per_exchange``: the exchange entry points' time over the exchanges that ran;
   ``host_s_per_layer``: all of it over the attention layer calls (V-First calls, or with stock's
   processors one per input and output exchange pair). V-Major takes the path a GPU takes, its
-  Triton kernels (change sums, int4 encode and apply), each launch stood in for by the torch
+  Triton kernels (change sums, int4 encode and apply, mask decode), each launch stood in for by the torch
   reference, whose time is not counted: it is the device's work (the reference's own operations
   would count as host time on this CPU); ``kernel_launches_per_layer``: the launches a GPU's host
   makes besides. For reference, stock eager is timed the same way in xfuser's own exchange
@@ -250,10 +250,17 @@ def _change_sums(x, reference, bits, out, s, d, inner, groups, before, top, A, B
         out[i].copy_(torch.floor(_QUANTITIES[kind](x, r).double() * up).long().sum((0, 2, 4)))
 
 
+def _mask_rows(mask, out, s, k, stride, **_):
+    """``mask_kernels._rows``: the rows each mask of ``mask`` marks, into ``out``."""
+    from cocodiff_xfuser.comm import sparse
+
+    out.copy_(sparse.reference_rows_of(mask, s, k))
+
+
 def _kernels_stood_in(timer: _Timer) -> None:
     """V-Major's Triton kernels launched on this CPU's tensors, each launch stood in for (the GPU's
     path: where triton is missing, the torch reference runs, counted)."""
-    from cocodiff_xfuser.comm import residual_kernels
+    from cocodiff_xfuser.comm import mask_kernels, residual_kernels
     from cocodiff_xfuser.vmajor import change_kernels
 
     if residual_kernels.triton is None:
@@ -261,6 +268,7 @@ def _kernels_stood_in(timer: _Timer) -> None:
     residual_kernels._DEVICES = (*residual_kernels._DEVICES, "cpu")
     residual_kernels._encode, residual_kernels._apply = _StandIn(_encode_int4, timer), _StandIn(_apply_int4, timer)
     change_kernels._amax, change_kernels._sums = _StandIn(_change_amax, timer), _StandIn(_change_sums, timer)
+    mask_kernels._rows = _StandIn(_mask_rows, timer)
 
 
 #: xfuser's Ulysses exchanges (what stock's layers call), timed in a stock job.
