@@ -146,7 +146,10 @@ def test_compiled_v_major_gives_the_eager_images(generated):
     # returns: what V-Major reads of them later (V waiting to ride with Q/K) must be its own copy.
     # Compiled arithmetic differs from eager in the last bits, which may move a token across the
     # selection's threshold: close, not bitwise.
-    compiled, eager = _images(generated("flux-u2"), "flux-u2", "vmajor"), _images(generated("flux-u2 eager"), "flux-u2", "vmajor")
+    eager_out = generated("flux-u2 eager")
+    ran = _result(eager_out, "flux-u2", "vmajor")["ran"]  # the eager twin ran V-Major's sparse exchanges too
+    assert ran["v_major_sparse"] and ran["fallbacks"] == {}, ran
+    compiled, eager = _images(generated("flux-u2"), "flux-u2", "vmajor"), _images(eager_out, "flux-u2", "vmajor")
     psnr = [10 * np.log10(1 / np.mean((a.astype(np.float64) - b) ** 2)) for a, b in zip(compiled, eager)]
     assert min(psnr) >= 80, psnr
 

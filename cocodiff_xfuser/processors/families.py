@@ -13,12 +13,13 @@ import sys
 import torch
 
 from cocodiff_xfuser import compat, padding
-from cocodiff_xfuser.comm.agreement import agree
+from cocodiff_xfuser.comm.agreement import Disagreement, agree
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import policy, ring
 from cocodiff_xfuser.processors import flux, flux2, hunyuan_video, pixart, qwen_image, sd3, wan
 from cocodiff_xfuser.settings import VMajorSettings
+from cocodiff_xfuser.xfuser import fault_policy
 
 logger = logging.getLogger("cocodiff_xfuser")
 
@@ -122,9 +123,12 @@ def install(transformer: torch.nn.Module, exchanger: Exchanger, v_major: VMajorS
 
 def agree_fused_kernels() -> None:
     """Agree, over the world, on the one rank-local fact a V-First decision reads: xfuser's fused
-    FlyDSL QK-norm/RoPE kernels (a compiled graph decides without a collective). Collective; raises
-    :class:`~cocodiff_xfuser.comm.agreement.Disagreement` naming a rank that differs."""
-    agree(compat.fused_kernels(), "xfuser's fused FlyDSL QK-norm/RoPE kernels (the transformers' modules)")
+    FlyDSL QK-norm/RoPE kernels (a compiled graph decides without a collective). Collective; where
+    ranks differ, the job ends with one line naming a rank that differs."""
+    try:
+        agree(compat.fused_kernels(), "xfuser's fused FlyDSL QK-norm/RoPE kernels (the transformers' modules)")
+    except Disagreement as e:
+        fault_policy.end_job(str(e))
 
 
 def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings: VMajorSettings) -> None:

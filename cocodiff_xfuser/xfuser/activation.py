@@ -219,10 +219,7 @@ def _adapt(pipe, transformers: list) -> None:
         for transformer in transformers:
             families.install(transformer, exchanger, v_major)
         calls.bind(pipe, families.clocks(transformers))
-        try:
-            families.agree_fused_kernels()
-        except Disagreement as e:
-            fault_policy.end_job(str(e))
+        families.agree_fused_kernels()
         stock = sorted({name for t in transformers for name in families.stock_usp(t)})
         if uneven is not None and stock:
             fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")

@@ -13,8 +13,7 @@ import logging
 import types
 
 from cocodiff_xfuser import compat, padding
-from cocodiff_xfuser.comm.agreement import Disagreement
-from cocodiff_xfuser.xfuser import fault_policy, job
+from cocodiff_xfuser.xfuser import job
 
 logger = logging.getLogger("cocodiff_xfuser")
 _logged: set[padding.Streams] = set()
@@ -103,10 +102,8 @@ def _padding_forward(original):
             from cocodiff_xfuser.processors import families
 
             families.install(self, exchanger)
-            try:  # as where xfuser's model loading installs them (every rank's first padded call is here)
-                families.agree_fused_kernels()
-            except Disagreement as e:
-                fault_policy.end_job(str(e))
+            # Agreed as where xfuser's model loading installs them (every rank's first padded call is here).
+            families.agree_fused_kernels()
             self._cocodiff_padding = True
         encoder_hidden_states = padding.pad_tokens(encoder_hidden_states, text_to, 1)
         hidden_states = padding.pad_tokens(hidden_states, image_to, 1)
