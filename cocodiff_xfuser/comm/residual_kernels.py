@@ -1,5 +1,5 @@
 """The int4 residual codec of :mod:`.residuals` as two fused Triton kernels (one source for CUDA
-and XPU): per selected row, ``encode`` gathers the row and its reference, scales each group by a
+and XPU): per selected row (a few per program), ``encode`` gathers the row and its reference, scales each group by a
 power of two, packs the nibbles and exponents and writes the reference's new row; ``apply`` adds
 a received row to the held copy in place. One launch per call covers every plane of the tensor
 (every gated tensor joined along the planes, every destination of a run).
@@ -29,6 +29,9 @@ except ImportError:  # CPU hosts without triton run the torch reference
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _DEVICES = ("cuda", "xpu")
 _DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+#: Rows and warps per program of the encode and of the apply (rows a power of two), chosen on an
+#: H200 (docs/benchmarks.md, "On one GPU").
+ENCODE_ROWS, ENCODE_WARPS, APPLY_ROWS, APPLY_WARPS = 8, 1, 8, 2
 
 
 def runs_on(t: torch.Tensor) -> bool:
@@ -53,7 +56,8 @@ def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, gr
     n = math.prod(planes)
     if n and k:
         commstats.count_kernel("int4 encode")
-        _encode[(n, k)](x, reference, rows, out, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d), WIDTH=width)
+        _encode[(n, triton.cdiv(k, ENCODE_ROWS))](x, reference, rows, out, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d),
+                                                  WIDTH=width, ROWS=ENCODE_ROWS, num_warps=ENCODE_WARPS)
     return out
 
 
@@ -67,8 +71,8 @@ def apply_int4(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | N
         commstats.count_kernel("int4 apply")
         every = rows is None
         index = payload if every else rows  # any pointer where the kernel reads no index
-        _apply[(n, k)](held, payload, index, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d),
-                       WIDTH=payload.shape[-1], EVERY=every)
+        _apply[(n, triton.cdiv(k, APPLY_ROWS))](held, payload, index, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d),
+                                                WIDTH=payload.shape[-1], EVERY=every, ROWS=APPLY_ROWS, num_warps=APPLY_WARPS)
 
 
 def _jit(fn):
@@ -77,18 +81,19 @@ def _jit(fn):
 
 @_jit
 def _encode(x_ptr, ref_ptr, rows_ptr, out_ptr, S, K, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-            WIDTH: tl.constexpr):
-    plane, t = tl.program_id(0), tl.program_id(1)
-    row = tl.load(rows_ptr + t).to(tl.int64)
-    at = (plane.to(tl.int64) * S + row) * D
-    offs = tl.arange(0, BLOCK)
-    inside = offs < D
+            WIDTH: tl.constexpr, ROWS: tl.constexpr):
+    plane = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [ROWS] this program's rows of the payload
+    row = tl.load(rows_ptr + t, mask=t < K, other=0).to(tl.int64)
+    at = ((plane * S + row) * D)[:, None]
+    offs = tl.arange(0, BLOCK)[None, :]
+    inside = (t < K)[:, None] & (offs < D)
     ref = tl.load(ref_ptr + at + offs, mask=inside, other=0.0)
-    change = tl.load(x_ptr + at + offs, mask=inside, other=0.0).to(tl.float32) - ref.to(tl.float32)
+    change = tl.load(x_ptr + at + offs, mask=inside, other=0.0).to(tl.float32) - ref.to(tl.float32)  # [ROWS, BLOCK]
     # Each group's exponent from its largest value's bits, as the reference takes it.
-    amax = tl.max(tl.abs(tl.reshape(change, (BLOCK // G, G))), axis=1)  # [BLOCK / G]
+    amax = tl.max(tl.abs(tl.reshape(change, (ROWS, BLOCK // G, G))), axis=2)  # [ROWS, BLOCK / G]
     e = tl.minimum(tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129, -100), 126)
-    scale = tl.reshape(tl.broadcast_to(e[:, None], (BLOCK // G, G)), (BLOCK,))
+    scale = tl.reshape(tl.broadcast_to(e[:, :, None], (ROWS, BLOCK // G, G)), (ROWS, BLOCK))
     down = ((127 - scale) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
     q = tl.minimum(tl.maximum(tl.floor(change * down + 0.5), -7.0), 7.0)
     new = ref.to(tl.float32) + q * ((scale + 127) << 23).to(tl.float32, bitcast=True)
@@ -96,29 +101,30 @@ def _encode(x_ptr, ref_ptr, rows_ptr, out_ptr, S, K, D: tl.constexpr, G: tl.cons
         bits = new.to(tl.uint32, bitcast=True)
         new = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     tl.store(ref_ptr + at + offs, new, mask=inside)
-    lo, hi = tl.split(tl.reshape((q + 8.0).to(tl.int32), (BLOCK // 2, 2)))
-    out = out_ptr + (plane.to(tl.int64) * K + t) * WIDTH
-    half = tl.arange(0, BLOCK // 2)
-    tl.store(out + half, (lo | (hi << 4)).to(tl.uint8), mask=half < D // 2)
-    groups = tl.arange(0, BLOCK // G)
-    tl.store(out + D // 2 + groups, e.to(tl.int8).to(tl.uint8, bitcast=True), mask=groups < D // G)
+    lo, hi = tl.split(tl.reshape((q + 8.0).to(tl.int32), (ROWS, BLOCK // 2, 2)))
+    out = out_ptr + ((plane * K + t) * WIDTH)[:, None]
+    half = tl.arange(0, BLOCK // 2)[None, :]
+    tl.store(out + half, (lo | (hi << 4)).to(tl.uint8), mask=(t < K)[:, None] & (half < D // 2))
+    groups = tl.arange(0, BLOCK // G)[None, :]
+    tl.store(out + D // 2 + groups, e.to(tl.int8).to(tl.uint8, bitcast=True), mask=(t < K)[:, None] & (groups < D // G))
 
 
 @_jit
 def _apply(held_ptr, payload_ptr, rows_ptr, S, K, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
-           WIDTH: tl.constexpr, EVERY: tl.constexpr):
-    plane, t = tl.program_id(0), tl.program_id(1)
-    row = t.to(tl.int64) if EVERY else tl.load(rows_ptr + t).to(tl.int64)
-    at = (plane.to(tl.int64) * S + row) * D
-    src = payload_ptr + (plane.to(tl.int64) * K + t) * WIDTH
-    half = tl.arange(0, BLOCK // 2)
-    packed = tl.load(src + half, mask=half < D // 2, other=0).to(tl.int32)
-    q = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK,)).to(tl.float32) - 8.0
-    groups = tl.arange(0, BLOCK // G)
-    e = tl.load(src + D // 2 + groups, mask=groups < D // G, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-    scale = tl.reshape(tl.broadcast_to(e[:, None], (BLOCK // G, G)), (BLOCK,))
-    offs = tl.arange(0, BLOCK)
-    inside = offs < D
+           WIDTH: tl.constexpr, EVERY: tl.constexpr, ROWS: tl.constexpr):
+    plane = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [ROWS] this program's rows of the payload
+    row = t.to(tl.int64) if EVERY else tl.load(rows_ptr + t, mask=t < K, other=0).to(tl.int64)
+    at = ((plane * S + row) * D)[:, None]
+    src = payload_ptr + ((plane * K + t) * WIDTH)[:, None]
+    half = tl.arange(0, BLOCK // 2)[None, :]
+    packed = tl.load(src + half, mask=(t < K)[:, None] & (half < D // 2), other=0).to(tl.int32)
+    q = tl.reshape(tl.join(packed & 15, packed >> 4), (ROWS, BLOCK)).to(tl.float32) - 8.0
+    groups = tl.arange(0, BLOCK // G)[None, :]
+    e = tl.load(src + D // 2 + groups, mask=(t < K)[:, None] & (groups < D // G), other=0).to(tl.int8, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(e.to(tl.int32)[:, :, None], (ROWS, BLOCK // G, G)), (ROWS, BLOCK))
+    offs = tl.arange(0, BLOCK)[None, :]
+    inside = (t < K)[:, None] & (offs < D)
     held = tl.load(held_ptr + at + offs, mask=inside, other=0.0)
     new = held.to(tl.float32) + q * ((scale + 127) << 23).to(tl.float32, bitcast=True)
     if held_ptr.dtype.element_ty == tl.bfloat16:  # as in the encode

@@ -121,15 +121,18 @@ class Selection:
 
     active: torch.Tensor  # [k] this rank's rows (int64, on the device, ascending)
     counts: tuple[int, ...]  # k of every group rank, the same on every rank
+    built: torch.Tensor | None = None  # their mask, where whoever chose them built it
 
     @classmethod
-    def fixed(cls, active: torch.Tensor, world: int) -> Selection:
+    def fixed(cls, active: torch.Tensor, world: int, mask: torch.Tensor | None = None) -> Selection:
         """Every rank sends ``len(active)`` rows: a count the settings fix, known everywhere."""
-        return cls(active, (active.numel(),) * world)
+        return cls(active, (active.numel(),) * world, mask)
 
     def mask(self, s: int) -> torch.Tensor:
         """The rows as they travel ahead of them, of ``s`` (uint8, :func:`mask_bytes` of them): bit
         ``t % 8`` of byte ``t // 8`` set for an active row ``t``; built on the device."""
+        if self.built is not None:
+            return self.built
         bits = torch.zeros(mask_bytes(s) * 8, dtype=torch.uint8, device=self.active.device).index_fill_(0, self.active, 1)
         return (bits.view(-1, 8) << _bit_positions(bits.device)).sum(1, dtype=torch.uint8)
 

@@ -1,13 +1,15 @@
 """Whether V-Major's Triton kernels write the torch reference's bytes: the int4 residuals' encode
-and apply, the per-token change sums its ranking reads, and the sparse exchange's mask decode.
+and apply, the per-token change sums its ranking reads, the ranking and the choice of tokens, and
+the sparse exchange's mask decode.
 
 On an accelerator the compiled kernels run beside the reference; on a CPU the Triton interpreter
 runs them, in a process of its own (it needs ``TRITON_INTERPRET=1`` before triton is first
 imported). Cases cover float32 and bf16 values, rows of widths that are and are not powers of two
 and multiples of the group, selected rows in any order and every row in order, a group that did
 not change, the change sums of a Ulysses exchange's V (per batch and token, or per token) and
-of a ring's K/V for every quantity, and the sparse exchange's mask decode (one mask, or a run of
-sources' masks ahead of their rows).
+of a ring's K/V for every quantity, the ranks of a V's tokens (ties among them) with the budget's
+count and of float64 changes, the top tokens and their mask, and the sparse exchange's mask decode
+(one mask, or a run of sources' masks ahead of their rows).
 
 ``python -m cocodiff_xfuser.tools.kernel_check [--device cuda]`` prints one JSON object.
 """
@@ -23,7 +25,7 @@ import sys
 import torch
 
 from cocodiff_xfuser.comm import mask_kernels, residual_kernels, residuals, sparse
-from cocodiff_xfuser.vmajor import change_kernels, policy
+from cocodiff_xfuser.vmajor import change_kernels, policy, rank_kernels
 
 #: (shape, dtype): V as a Ulysses exchange holds it ([W, 1, b, h/W, s, d]), a ring's K/V
 #: ([2, T, row], a row not a power of two), a row narrower than a group.
@@ -34,6 +36,9 @@ CASES = [((4, 1, 1, 2, 24, 64), dt) for dt in (torch.float32, torch.bfloat16)] +
 SUM_CASES = [((2, 1, 2, 3, 20, 64), (0, 1, 3, 5)), ((2, 1, 2, 3, 20, 64), (0, 1, 2, 3, 5)), ((2, 12, 320), (0, 2))]
 #: (tokens, rows marked): masks whose bits fill whole bytes or not, a few rows or most.
 MASK_CASES = [(20, 1), (37, 12), (64, 63), (300, 150)]
+#: (tokens, budget's error bound): a V's chunks for other nodes ranked by change, their budget
+#: counted, and the top tokens chosen; a bound that leaves most tokens out and one that leaves few.
+RANK_CASES = [(20, 0.02), (77, 0.01), (300, 0.004)]
 
 
 def compare(device: torch.device) -> dict:
@@ -83,6 +88,24 @@ def compare(device: torch.device) -> dict:
             cases += 1
             if not (mask_kernels.usable(mask) and torch.equal(mask_kernels.rows(mask, s, k), sparse.reference_rows_of(mask, s, k))):
                 failed.append({"mask of": s, "rows": k, "masks": n or 1})
+    for s, bound in RANK_CASES:
+        x = torch.randn(2, 1, 1, 3, s, 16, generator=g)
+        reference = x + 0.05 * torch.randn(x.shape, generator=g) * torch.rand(s, 1, generator=g)
+        (squared, scale), (norms, norm_scale) = policy.reference_sums(("squared change", "squared value"), x, reference,
+                                                                      (0, 1, 2, 3, 5))
+        squared[::3] = squared[1]  # ties, broken by token index
+        budget = tuple(t.to(device) for t in (norms, scale, norm_scale)) + (bound**2,)
+        keys = squared.to(device)
+        got, want = rank_kernels.ranks(keys, budget), policy.reference_ranks(keys, budget)
+        change = squared.to(device).double() / 3  # float64 keys, as the threshold policy ranks
+        cases += 1
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                and torch.equal(rank_kernels.ranks(change)[0], policy.reference_ranks(change)[0])):
+            failed.append({"ranks of": s, "bound": bound})
+        for k in (1, s // 3, s - 1):
+            cases += 1
+            if not all(torch.equal(a, b) for a, b in zip(rank_kernels.top(want[0], k), policy.reference_top(want[0], k))):
+                failed.append({"top": k, "of": s})
     return {"triton_matches_reference": not failed, "cases": cases, "failed": failed,
             "device": str(device), "interpreted": os.environ.get("TRITON_INTERPRET") == "1"}
 

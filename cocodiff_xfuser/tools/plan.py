@@ -73,9 +73,10 @@ HOST_RUN = "host-tiny-flux.json"
 #: ``bench kernels`` measured it on one GPU kernel by kernel (as an uncompiled xfuser job launches
 #: it): the shipped runs, fitted per byte of V a rank holds, price it as measured on the presets of
 #: a measured GPU, and scaled from :data:`KERNEL_GPU`'s by memory bandwidth on the others (its kernels
-#: stream V and its residuals through memory: ranking, fp8 encode, apply).
+#: stream V and its residuals through memory: change sums, ranking, int4 encode, apply). Runs of a
+#: previous release's kernels are kept in ``previous/``, out of this pattern's reach.
 KERNELS = "kernels-*.json"
-KERNEL_GPU = "H100"
+KERNEL_GPU = "H200"
 #: Published memory bandwidth (bytes/s) of one device as torch names it (a substring of
 #: ``torch.cuda.get_device_name()`` / ``torch.xpu.get_device_name()``; the longest match wins).
 DEVICE_MEMORY_BPS = {

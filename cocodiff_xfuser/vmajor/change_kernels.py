@@ -28,6 +28,9 @@ except ImportError:  # CPU hosts without triton run the torch reference
 
 #: The quantities, per element of V (``x``) and its reference: codes the kernels read.
 KINDS = {"squared change": 0, "absolute change": 1, "squared reference": 2, "squared value": 3}
+#: Launch shapes (elements per program of the largest-element pass, rows of a token per step of
+#: its sums, warps of each), chosen on an H200 (docs/benchmarks.md, "On one GPU").
+AMAX_BLOCK, AMAX_WARPS, SUMS_ROWS, SUMS_WARPS = 16384, 4, 8, 4
 
 
 def usable(x: torch.Tensor, reference: torch.Tensor) -> bool:
@@ -49,17 +52,16 @@ def sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims:
     before = math.prod(outer[: kept[0]]) if kept else 1
     inner = math.prod(outer[kept[0] + 1:]) if kept else math.prod(outer)
     bits = torch.zeros(2, dtype=torch.int32, device=x.device)
-    block = 1024
     codes = [KINDS[k] for k in kinds]
     commstats.count_kernel("change sums")
-    _amax[(triton.cdiv(x.numel(), block),)](x, reference, bits, x.numel(), A=codes[0], B=codes[1], BLOCK=block)
+    _amax[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, reference, bits, x.numel(), A=codes[0], B=codes[1], BLOCK=AMAX_BLOCK,
+                                                 num_warps=AMAX_WARPS)
     out = torch.empty(2, groups, s, dtype=torch.int64, device=x.device)
+    scales = torch.empty(2, dtype=torch.float64, device=x.device)
     block_d = min(triton.next_power_of_2(d), 256)
-    _sums[(groups, s)](x, reference, bits, out, s, d, inner, groups, before, 62 - x.numel().bit_length(),
-                       A=codes[0], B=codes[1], BLOCK_I=min(triton.next_power_of_2(inner), 16), BLOCK_D=block_d)
-    # The scale of each: 2**-shift, shift = 62 - bits(numel) - exponent, from the largest element's bits.
-    shift = 62 - x.numel().bit_length() - (((bits >> 23) & 0xFF).long() - 126)
-    scales = ((1023 - shift) << 52).view(torch.float64)
+    _sums[(groups, s)](x, reference, bits, out, scales, s, d, inner, groups, before, 62 - x.numel().bit_length(),
+                       A=codes[0], B=codes[1], BLOCK_I=min(triton.next_power_of_2(inner), SUMS_ROWS), BLOCK_D=block_d,
+                       num_warps=SUMS_WARPS)
     shape = [groups, s] if kept else [s]
     return [(out[i].view(shape), scales[i]) for i in range(2)]
 
@@ -92,12 +94,18 @@ def _amax(x_ptr, ref_ptr, bits_ptr, N, A: tl.constexpr, B: tl.constexpr, BLOCK: 
 
 
 @_jit
-def _sums(x_ptr, ref_ptr, bits_ptr, out_ptr, S, D, INNER, GROUPS, BEFORE, TOP, A: tl.constexpr, B: tl.constexpr,
-          BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sums(x_ptr, ref_ptr, bits_ptr, out_ptr, scales_ptr, S, D, INNER, GROUPS, BEFORE, TOP, A: tl.constexpr,
+          B: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     g, t = tl.program_id(0), tl.program_id(1)
-    # Each quantity's scale 2**shift (float64, exact), shift = TOP - exponent of its largest element.
-    up_a = ((1023 + TOP - (((tl.load(bits_ptr) >> 23) & 0xFF) - 126)).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-    up_b = ((1023 + TOP - (((tl.load(bits_ptr + 1) >> 23) & 0xFF) - 126)).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    # Each quantity's shift = TOP - the exponent of its largest element; its sums are at 2**shift
+    # (float64, exact), and 2**-shift is their scale.
+    shift_a = TOP - (((tl.load(bits_ptr) >> 23) & 0xFF) - 126)
+    shift_b = TOP - (((tl.load(bits_ptr + 1) >> 23) & 0xFF) - 126)
+    up_a = ((1023 + shift_a).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    up_b = ((1023 + shift_b).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+    if (g == 0) & (t == 0):
+        tl.store(scales_ptr, ((1023 - shift_a).to(tl.int64) << 52).to(tl.float64, bitcast=True))
+        tl.store(scales_ptr + 1, ((1023 - shift_b).to(tl.int64) << 52).to(tl.float64, bitcast=True))
     acc_a = tl.full([], 0, tl.int64)
     acc_b = tl.full([], 0, tl.int64)
     rows = tl.arange(0, BLOCK_I)

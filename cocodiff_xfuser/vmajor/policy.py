@@ -15,7 +15,7 @@ import torch
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residuals, sparse
 from cocodiff_xfuser.settings import SCOPES, Budget, Schedule, Threshold, TopK, VMajorSettings
-from cocodiff_xfuser.vmajor import change_kernels
+from cocodiff_xfuser.vmajor import change_kernels, rank_kernels
 from cocodiff_xfuser.vmajor.clock import Clock
 from cocodiff_xfuser.vmajor.state import Caches, cache_bytes
 
@@ -110,13 +110,13 @@ def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_di
     the clock (:meth:`Clock.need`). ``token_bytes``: one token's row in the residual dtype.
 
     The selection is the same on every device for the same data: changes are summed as integers
-    and ranked by a stable sort (ties to the lower token index left out first), and no value is
-    read on the host."""
+    and ranked as a stable sort orders them (ties to the lower token index left out first), and no
+    value is read on the host."""
     settings, clock, index, rule = layer.settings, layer.clock, layer.index, layer.settings.rule
     step, tokens = clock.current.step, x.shape[token_dim]
-    change = order = None  # per token: the change the policy ranks by, and its stable ascending order
+    change = ranks = None  # per token: the change the policy ranks by, and its place in their stable ascending order
     if reference is not None and isinstance(rule, (Budget, Threshold)):  # measured at every step, for later ones
-        change, share, order = measure(rule, x, reference, token_dim, select_dims)
+        change, share, ranks = measure(rule, x, reference, token_dim, select_dims)
         clock.need(index, share)
     k = None if reference is None else count(settings, clock, index, step, tokens)
     if step < settings.warmup_steps or k is None:
@@ -131,15 +131,27 @@ def decide(layer: Any, x: torch.Tensor, reference: torch.Tensor | None, token_di
     ):
         commstats.count_v_major(step, index, tokens, tokens)
         return None
-    if k >= tokens:  # every token, as residuals: in order, so no index travels
-        active = torch.arange(tokens, device=x.device)
-    else:
-        if order is None:
-            change = token_change(rule.metric, x, reference, token_dim, select_dims) if change is None else change
-            order = torch.sort(change, stable=True).indices
-        active = order[tokens - k:].sort().values  # ascending, as the mask sends them
     commstats.count_v_major(step, index, k, tokens)
-    return sparse.Selection.fixed(active, world)
+    if k >= tokens:  # every token, as residuals: in order, so no index travels
+        return sparse.Selection.fixed(torch.arange(tokens, device=x.device), world)
+    if ranks is None:
+        change = token_change(rule.metric, x, reference, token_dim, select_dims) if change is None else change
+        ranks, _ = rank(change)
+    active, mask = top(ranks, k)
+    return sparse.Selection.fixed(active, world, mask)
+
+
+def rank(keys: torch.Tensor, budget: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each token's place in the stable ascending order of ``keys`` (and the tokens ``budget``
+    leaves out: :func:`.rank_kernels.ranks`): one kernel where it runs, the torch reference elsewhere."""
+    return rank_kernels.ranks(keys, budget) if rank_kernels.usable(keys) else reference_ranks(keys, budget)
+
+
+def top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` tokens ranked last by ``ranks`` (the largest change), ascending as their mask
+    sends them, and that mask: one kernel where it runs, the torch reference elsewhere."""
+    return rank_kernels.top(ranks, k) if rank_kernels.usable(ranks) else reference_top(ranks, k)
 
 
 def count(settings: VMajorSettings, clock: Clock, layer: int, step: int, s: int) -> int | None:
@@ -159,9 +171,9 @@ def count(settings: VMajorSettings, clock: Clock, layer: int, step: int, s: int)
 def measure(rule: Budget | Threshold, x: torch.Tensor, reference: torch.Tensor, token_dim: int,
             select_dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per token, the change ``rule`` ranks by, the share of tokens it would send now (a device
-    scalar), and where it sorted them (budget), the tokens by ascending change (stable): budget, the
-    fewest tokens (largest squared change first) leaving V's relative L2 error as the receivers hold
-    it within ``rule.error``; threshold, those whose change exceeds it."""
+    scalar), and where it ranked them (budget), each token's place in their stable ascending order
+    of change: budget, the fewest tokens (largest squared change first) leaving V's relative L2
+    error as the receivers hold it within ``rule.error``; threshold, those whose change exceeds it."""
     if isinstance(rule, Threshold):
         change = token_change(rule.metric, x, reference, token_dim, select_dims)
         bound = rule.threshold**2 if rule.metric == "rel-l2" else rule.threshold
@@ -169,10 +181,28 @@ def measure(rule: Budget | Threshold, x: torch.Tensor, reference: torch.Tensor, 
     others = tuple(d for d in range(x.dim()) if d != token_dim)
     # Per token, the squared change and V's squared norm, [s] int64 each, exact.
     (squared, scale), (norms, norm_scale) = _sums(("squared change", "squared value"), x, reference, others)
-    ordered, order = squared.sort(stable=True)
-    allowed = norms.sum().double() * norm_scale * rule.error**2
-    left_out = (ordered.cumsum(0).double() * scale <= allowed).sum()
-    return squared, 1.0 - left_out.float() / squared.numel(), order
+    ranks, left_out = rank(squared, (norms, scale, norm_scale, rule.error**2))
+    return squared, 1.0 - left_out.squeeze(0) / squared.numel(), ranks
+
+
+def reference_ranks(keys: torch.Tensor, budget: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`.rank_kernels.ranks` as torch computes it: a stable sort, and the budget's running sums."""
+    ordered, order = keys.sort(stable=True)
+    ranks = torch.empty_like(order).scatter_(0, order, torch.arange(keys.numel(), device=keys.device))
+    if budget is None:
+        return ranks, None
+    norms, scale, norm_scale, bound = budget
+    allowed = norms.sum().double() * norm_scale * bound
+    return ranks, (ordered.cumsum(0).double() * scale <= allowed).sum().float().reshape(1)
+
+
+def reference_top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.rank_kernels.top` as torch computes it."""
+    s = ranks.numel()
+    order = torch.empty_like(ranks).scatter_(0, ranks, torch.arange(s, device=ranks.device))
+    active = order[s - k:].sort().values
+    return active, sparse.Selection.fixed(active, 1).mask(s)
 
 
 def token_change(metric: str, x: torch.Tensor, reference: torch.Tensor, token_dim: int,

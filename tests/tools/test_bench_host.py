@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from cocodiff_xfuser.settings import Budget
 from cocodiff_xfuser.tools import cli
 from cocodiff_xfuser.tools.bench import host
 
@@ -43,7 +44,7 @@ def test_the_kernels_stand_ins_compute_what_the_torch_reference_does(monkeypatch
     # (which tokens, what travels) must be those the reference makes, and the launches' time is not counted.
     pytest.importorskip("triton")
     from cocodiff_xfuser.comm import mask_kernels, residual_kernels, residuals, sparse
-    from cocodiff_xfuser.vmajor import change_kernels, policy
+    from cocodiff_xfuser.vmajor import change_kernels, policy, rank_kernels
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, 64, generator=gen)
@@ -59,12 +60,16 @@ def test_the_kernels_stand_ins_compute_what_the_torch_reference_does(monkeypatch
         sums = [t for dims, kinds in (((0, 3), ("squared change", "squared value")), ((1, 3), ("absolute change", "squared reference")))
                 for pair in policy._sums(kinds, x, reference, dims) for t in pair]
         masks = torch.stack([sparse.Selection.fixed(rows, 1).mask(40), sparse.Selection.fixed(rows + 2, 1).mask(40)])
-        return [payload, ref, into, whole, *sums, sparse.rows_of(masks, 40, 4), sparse.rows_of(masks[1], 40, 4)]
+        _, share, ranks = policy.measure(Budget(error=0.005), x, reference, 2, (0, 1, 3))
+        by_change, _ = policy.rank(sums[0].double().amax(0))  # float64 keys, as threshold ranks
+        return [payload, ref, into, whole, *sums, sparse.rows_of(masks, 40, 4), sparse.rows_of(masks[1], 40, 4),
+                share, ranks, by_change, *policy.top(ranks, 9)]
 
     expected = run()
     timer = host._Timer()
     for module, name in ((residual_kernels, "_DEVICES"), (residual_kernels, "_encode"), (residual_kernels, "_apply"),
-                         (change_kernels, "_amax"), (change_kernels, "_sums"), (mask_kernels, "_rows")):
+                         (change_kernels, "_amax"), (change_kernels, "_sums"), (mask_kernels, "_rows"),
+                         (rank_kernels, "_rank"), (rank_kernels, "_top")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     host._kernels_stood_in(timer)
     assert residual_kernels.usable(x, reference) and mask_kernels.usable(torch.zeros(2, 8, dtype=torch.uint8))

@@ -203,8 +203,9 @@ def test_the_planner_reads_the_shipped_measurements():
 
     assert plan.RESULTS_DIR == shipped.RESULTS
     assert len(list(shipped.RESULTS.glob("a2a-*-*x*.json"))) == 9
-    fixed, per_byte = plan.v_major_layer_cost("H100")  # bench kernels on one H100, fitted
+    fixed, per_byte = plan.v_major_layer_cost("H200")  # bench kernels on one H200, fitted
     assert fixed > 0 and per_byte > 0 and plan.v_major_layer_cost("no such GPU") is None
+    assert plan.v_major_layer_cost("H100") is None  # its runs were of the previous release's kernels
 
 
 def _no_host_time(monkeypatch) -> None:
@@ -229,7 +230,7 @@ def test_cocodiffs_host_time_is_priced_and_can_make_stock_the_recommendation(mon
 
 def test_v_major_is_suggested_only_where_it_saves_more_than_its_kernels_cost(monkeypatch):
     # On two H100 nodes at U32, V-Major's bytes saved would be worth it if its kernels and host time
-    # were free; priced at what one H100 measured, its kernels cost more than the exchange time they save.
+    # were free; priced from what one H200 measured, its kernels cost more than the exchange time they save.
     vm = plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=4)["v_major"]
     assert not vm["recommended"] and vm["note"].startswith("not recommended: ")  # its host time alone
     _no_host_time(monkeypatch)
@@ -245,7 +246,7 @@ def test_v_major_is_priced_on_every_preset_with_its_break_even_link_speed(preset
     vm = plan.plan("flux-dev", 1024, cluster=preset, nodes=2)["v_major"]
     assert vm["v_major_kernel_s"] > 0 and vm["v_major_break_even_gbps"] > 0 and vm["compute_s"] > 0
     assert vm["v_major_break_even_gbps"] == pytest.approx(vm["slow_link_bytes_saved_per_layer"] / vm["v_major_kernel_s"] / 1e9)
-    how = "measured on one H100" if preset == "dgx-h100" else "scaled from one H100 by memory bandwidth, 3.35 -> "
+    how = "measured on one H200" if preset == "dgx-h200" else "scaled from one H200 by memory bandwidth, 4.8 -> "
     assert vm["kernels_priced"].startswith(how) and "not priced" not in vm["note"]
     assert cli.main(["plan", "--model", "flux-dev", "--cluster", preset, "--nodes", "2"]) == 0
     out = capsys.readouterr().out
@@ -258,9 +259,9 @@ def test_v_major_is_priced_on_every_preset_with_its_break_even_link_speed(preset
 def test_v_major_kernels_scale_with_memory_bandwidth():
     h100, h200, aurora = (plan.plan("flux-dev", 1024, cluster=p, nodes=2)["v_major"] for p in ("dgx-h100", "dgx-h200", "aurora"))
     assert h100["on"] == h200["on"] and h100["slow_link_bytes_saved_per_layer"] == h200["slow_link_bytes_saved_per_layer"]
-    assert h200["v_major_kernel_s"] == pytest.approx(h100["v_major_kernel_s"] * 3.35 / 4.8)
+    assert h100["v_major_kernel_s"] == pytest.approx(h200["v_major_kernel_s"] * 4.8 / 3.35)
     assert h200["v_major_break_even_gbps"] > h100["v_major_break_even_gbps"]
-    assert "3.35 -> 1.64 TB/s" in aurora["kernels_priced"]
+    assert "4.8 -> 1.64 TB/s" in aurora["kernels_priced"]
     # no V-Major section where no layout crosses nodes
     assert plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=1)["v_major"] is None
 

@@ -35,6 +35,7 @@ import functools
 import json
 import os
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -239,15 +240,38 @@ def _change_amax(x, reference, bits, n, A, B, **_):
     bits.copy_(torch.stack([_QUANTITIES[A](x, r).amax(), _QUANTITIES[B](x, r).amax()]).view(torch.int32))
 
 
-def _change_sums(x, reference, bits, out, s, d, inner, groups, before, top, A, B, **_):
-    """``change_kernels._sums``: per kept group and token, each quantity floored at its scale and summed."""
+def _change_sums(x, reference, bits, out, scales, s, d, inner, groups, before, top, A, B, **_):
+    """``change_kernels._sums``: per kept group and token, each quantity floored at its scale and
+    summed; the scales."""
     import torch
 
     # [before, groups, inner, s, d]: the token dim and the kept one (groups), summed over the rest.
     x, r = (t.float().reshape(before, groups, inner, s, d) for t in (x, reference))
     for i, kind in enumerate((A, B)):
-        up = ((1023 + top - (((bits[i] >> 23) & 0xFF).long() - 126)) << 52).view(torch.float64)
-        out[i].copy_(torch.floor(_QUANTITIES[kind](x, r).double() * up).long().sum((0, 2, 4)))
+        shift = top - (((bits[i] >> 23) & 0xFF).long() - 126)
+        out[i].copy_(torch.floor(_QUANTITIES[kind](x, r).double() * ((1023 + shift) << 52).view(torch.float64))
+                     .long().sum((0, 2, 4)))
+        scales[i] = ((1023 - shift) << 52).view(torch.float64)
+
+
+def _rank(keys, norms, scale, norm_scale, ranks, left, s, bound, BUDGET, **_):
+    """``rank_kernels._rank``: the keys' stable ascending ranks, and the budget's count."""
+    from cocodiff_xfuser.vmajor import policy
+
+    budget = (norms, scale, norm_scale, struct.unpack("<d", struct.pack("<q", bound))[0]) if BUDGET else None
+    got, count = policy.reference_ranks(keys, budget)
+    ranks.copy_(got)
+    if BUDGET:
+        left.copy_(count)
+
+
+def _top(ranks, active, mask, s, first, mask_bytes, **_):
+    """``rank_kernels._top``: the tokens ranked at ``first`` or above, ascending, and their mask."""
+    from cocodiff_xfuser.vmajor import policy
+
+    got, bits = policy.reference_top(ranks, s - first)
+    active.copy_(got)
+    mask.copy_(bits)
 
 
 def _mask_rows(mask, out, s, k, stride, **_):
@@ -261,7 +285,7 @@ def _kernels_stood_in(timer: _Timer) -> None:
     """V-Major's Triton kernels launched on this CPU's tensors, each launch stood in for (the GPU's
     path: where triton is missing, the torch reference runs, counted)."""
     from cocodiff_xfuser.comm import mask_kernels, residual_kernels
-    from cocodiff_xfuser.vmajor import change_kernels
+    from cocodiff_xfuser.vmajor import change_kernels, rank_kernels
 
     if residual_kernels.triton is None:
         return
@@ -269,6 +293,7 @@ def _kernels_stood_in(timer: _Timer) -> None:
     residual_kernels._encode, residual_kernels._apply = _StandIn(_encode_int4, timer), _StandIn(_apply_int4, timer)
     change_kernels._amax, change_kernels._sums = _StandIn(_change_amax, timer), _StandIn(_change_sums, timer)
     mask_kernels._rows = _StandIn(_mask_rows, timer)
+    rank_kernels._rank, rank_kernels._top = _StandIn(_rank, timer), _StandIn(_top, timer)
 
 
 #: xfuser's Ulysses exchanges (what stock's layers call), timed in a stock job.

@@ -43,12 +43,16 @@ DEFAULT_REPS = 20
 SENT_SHARE = 0.3
 #: Tensors V-Major's decision gates per layer, by scope (Q, K, V in; the attention output back).
 GATED = {"v": 1, "qkv": 3, "qkvo": 4}
+#: Calls of a function per CUDA graph timed: a replay's own start is the graph's, not the layer's,
+#: so it is spread over as many calls as a few layers make.
+GRAPH_CALLS = 20
 
 
 def _timer(device: torch.device, graph: bool) -> Callable[[Callable[[], object], int], float]:
     """Median seconds of ``fn`` over ``reps`` runs after two warm-ups. On a GPU, timed with CUDA
-    events; with ``graph``, ``fn`` is captured once in a CUDA graph and its replay is timed: the
-    GPU's own time, without the host's kernel launches (what a compiled or graphed model pays)."""
+    events; with ``graph``, :data:`GRAPH_CALLS` calls of ``fn`` are captured in one CUDA graph and
+    its replay is timed, per call: the GPU's own time, without the host's kernel launches or a
+    replay's own start (what a layer inside a compiled or graphed model pays)."""
     def timed(fn: Callable[[], object], reps: int) -> float:
         run = fn
         if graph:
@@ -60,7 +64,8 @@ def _timer(device: torch.device, graph: bool) -> Callable[[Callable[[], object],
             torch.cuda.current_stream().wait_stream(side)
             captured = torch.cuda.CUDAGraph()
             with torch.cuda.graph(captured):
-                fn()
+                for _ in range(GRAPH_CALLS):
+                    fn()
             run = captured.replay
         for _ in range(2):
             run()
@@ -72,7 +77,7 @@ def _timer(device: torch.device, graph: bool) -> Callable[[Callable[[], object],
                 run()
                 end.record()
                 end.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
+                samples.append(start.elapsed_time(end) / 1e3 / (GRAPH_CALLS if graph else 1))
             else:
                 t0 = time.perf_counter()
                 run()
@@ -168,15 +173,15 @@ def layer(model: str, size: int, ulysses: int, device: torch.device, dtype: torc
         every = torch.arange(s_local, device=device)
 
         def ranked() -> torch.Tensor:
-            """The tokens to send: the policy's change per token, ranked (no host read)."""
+            """The tokens to send and their mask, as policy.decide chooses them (no host read)."""
             rule = settings.rule
-            change = order = None
+            change = ranks = None
             if isinstance(rule, (Budget, Threshold)):
-                change, _, order = policy.measure(rule, v_rank, reference, 4, (0, 1, 3, 5))
-            if order is None:  # as policy.decide ranks where the measure did not sort
+                change, _, ranks = policy.measure(rule, v_rank, reference, 4, (0, 1, 3, 5))
+            if ranks is None:
                 change = policy.token_change(rule.metric, v_rank, reference, 4, (0, 1, 3, 5)) if change is None else change
-                order = torch.sort(change, stable=True).indices
-            return order[s_local - k:]
+                ranks, _ = policy.rank(change)
+            return policy.top(ranks, k)[0]
 
         sent = ranked()
         rank_s = timed(ranked, reps)
