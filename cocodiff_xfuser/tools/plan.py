@@ -69,12 +69,13 @@ V_MAJOR_SWEEP = "sweep-v-major-budget-digits-flux.json"
 RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
 #: ``cocodiff bench host``'s run the planner prices cocodiff's own host time from.
 HOST_RUN = "host-tiny-flux.json"
-#: V-Major's own work per layer (ranking tokens by change, encoding and applying residuals), as
-#: ``bench kernels`` measured it on one GPU kernel by kernel (as an uncompiled xfuser job launches
-#: it): the shipped runs, fitted per byte of V a rank holds, price it as measured on the presets of
-#: a measured GPU, and scaled from :data:`KERNEL_GPU`'s by memory bandwidth on the others (its kernels
-#: stream V and its residuals through memory: change sums, ranking, int4 encode, apply). Runs of a
-#: previous release's kernels are kept in ``previous/``, out of this pattern's reach.
+#: V-Major's own work per layer on the GPU (change sums, ranking, int4 encode, apply), as ``bench
+#: kernels`` measured it on one GPU replayed from CUDA graphs (the device's own time; the host's,
+#: launches included, is priced apart from :data:`HOST_RUN`): the shipped runs, fitted per byte of
+#: V a rank holds, price it as measured on the presets of a measured GPU, and scaled from
+#: :data:`KERNEL_GPU`'s by memory bandwidth on the others (its kernels stream V and its residuals
+#: through memory). Runs of a previous release's kernels are kept in ``previous/``, out of this
+#: pattern's reach.
 KERNELS = "kernels-*.json"
 KERNEL_GPU = "H200"
 #: Published memory bandwidth (bytes/s) of one device as torch names it (a substring of
@@ -832,12 +833,12 @@ def v_major_kernel_cost(cluster: Optional[str]) -> Tuple[Tuple[float, float], st
 
 
 def v_major_layer_cost(gpu: str) -> Optional[Tuple[float, float]]:
-    """V-Major's seconds per layer on ``gpu`` as ``(fixed, per byte of V)``, least squares over the
-    shipped ``bench kernels`` runs on that GPU (launched kernel by kernel); None without any."""
+    """V-Major's GPU seconds per layer on ``gpu`` as ``(fixed, per byte of V)``, least squares over
+    the shipped ``bench kernels`` runs on that GPU (replayed from CUDA graphs); None without any."""
     points = [(r["tokens_local"] * r["heads_local"] * r["ulysses"] * MODELS[d["model"]].head_dim
                * MODELS[d["model"]].dtype_bytes, r["v_major_s"])
               for path in sorted(RESULTS_DIR.glob(KERNELS)) for d in [json.loads(path.read_text())]
-              if gpu in d["device"] for r in d["rows"] if not r["graph"]]
+              if gpu in d["device"] for r in d["rows"] if r["graph"]]
     if len(points) < 2:
         return None
     mx = statistics.fmean(x for x, _ in points)

@@ -241,17 +241,28 @@ def reference_sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Ten
 
 def integer_sums(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums over ``dims`` of ``t`` (float32, >= 0) in fixed point, and the scale that makes them
-    values (int64 sums, float64 scalar): every element at one power-of-two scale, floored to an
-    integer, so sums (and their running sums) are exact in any order. The scale puts the largest
-    element below ``2**62 / t.numel()``: no sum of them overflows."""
-    exponent = ((t.amax().view(torch.int32) >> 23) & 0xFF).long() - 126  # t < 2**exponent
-    shift = 62 - t.numel().bit_length() - exponent
-    up, down = _pow2(shift), _pow2(-shift)
-    return torch.floor(t.double() * up).long().sum(dims), down
+    values (int64 sums, float64 scalar), the same bits in any order of summation: each sum's
+    elements at a power-of-two scale of their own (from their largest one's exponent), floored to
+    integers and summed, then brought to the scale of the sum with the largest element by a right
+    shift (a floor). One pass over ``t`` on a device. Every element sits below ``2**62 / t.numel()``
+    at its scale: no sum of the sums overflows."""
+    top = 62 - t.numel().bit_length()
+    largest = t.amax(dims, keepdim=True)
+    own = _exponent(largest)  # per sum: its elements < 2**own
+    sums = torch.floor(t.double() * _pow2(top - own)).long().sum(dims)
+    own = own.squeeze(dims)
+    exponent = own.max()
+    return sums >> (exponent - own).clamp(max=63), _pow2(exponent - top)
+
+
+def _exponent(t: torch.Tensor) -> torch.Tensor:
+    """Per element of ``t`` (float32, >= 0), the ``e`` (int64) with ``t < 2**e``, from its bits (its
+    exponent field - 126; zero and subnormals take the smallest): every device agrees."""
+    return ((t.view(torch.int32) >> 23) & 0xFF).long() - 126
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """``2.0**e`` (float64, ``e`` an int64 scalar in [-1022, 1023]) from its bits: exact everywhere."""
+    """``2.0**e`` (float64, ``e`` int64 in [-1022, 1023]) from its bits: exact everywhere."""
     return ((e + 1023) << 52).view(torch.float64)
 
 

@@ -232,26 +232,30 @@ _QUANTITIES = {0: lambda x, r: (x - r).square(), 1: lambda x, r: (x - r).abs(), 
                3: lambda x, r: x.square()}
 
 
-def _change_amax(x, reference, bits, n, A, B, **_):
-    """``change_kernels._amax``: each quantity's largest element, as its float's bits."""
+def _change_sums(x, reference, own, exponents, s, d, inner, groups, before, top, A, B, **_):
+    """``change_kernels._sums``: per kept group and token, each quantity's sum at its own scale and
+    that scale's exponent."""
     import torch
 
-    x, r = x.float(), reference.float()
-    bits.copy_(torch.stack([_QUANTITIES[A](x, r).amax(), _QUANTITIES[B](x, r).amax()]).view(torch.int32))
-
-
-def _change_sums(x, reference, bits, out, scales, s, d, inner, groups, before, top, A, B, **_):
-    """``change_kernels._sums``: per kept group and token, each quantity floored at its scale and
-    summed; the scales."""
-    import torch
+    from cocodiff_xfuser.vmajor import policy
 
     # [before, groups, inner, s, d]: the token dim and the kept one (groups), summed over the rest.
     x, r = (t.float().reshape(before, groups, inner, s, d) for t in (x, reference))
     for i, kind in enumerate((A, B)):
-        shift = top - (((bits[i] >> 23) & 0xFF).long() - 126)
-        out[i].copy_(torch.floor(_QUANTITIES[kind](x, r).double() * ((1023 + shift) << 52).view(torch.float64))
-                     .long().sum((0, 2, 4)))
-        scales[i] = ((1023 - shift) << 52).view(torch.float64)
+        values = _QUANTITIES[kind](x, r)
+        e = policy._exponent(values.amax((0, 2, 4), keepdim=True))
+        own[i].copy_(torch.floor(values.double() * ((1023 + top - e) << 52).view(torch.float64)).long().sum((0, 2, 4)).flatten())
+        exponents[i].copy_(e.flatten())
+
+
+def _change_common(own, exponents, out, scales, n, top, **_):
+    """``change_kernels._common``: each quantity's sums at the scale of its largest exponent."""
+    import torch
+
+    for i in range(2):
+        e = exponents[i].long().max()
+        out[i].copy_(own[i] >> (e - exponents[i].long()).clamp(max=63))
+        scales[i] = ((1023 + e - top) << 52).view(torch.float64)
 
 
 def _rank(keys, norms, scale, norm_scale, ranks, left, s, bound, BUDGET, **_):
@@ -291,7 +295,7 @@ def _kernels_stood_in(timer: _Timer) -> None:
         return
     residual_kernels._DEVICES = (*residual_kernels._DEVICES, "cpu")
     residual_kernels._encode, residual_kernels._apply = _StandIn(_encode_int4, timer), _StandIn(_apply_int4, timer)
-    change_kernels._amax, change_kernels._sums = _StandIn(_change_amax, timer), _StandIn(_change_sums, timer)
+    change_kernels._sums, change_kernels._common = _StandIn(_change_sums, timer), _StandIn(_change_common, timer)
     mask_kernels._rows = _StandIn(_mask_rows, timer)
     rank_kernels._rank, rank_kernels._top = _StandIn(_rank, timer), _StandIn(_top, timer)
 
