@@ -1,7 +1,7 @@
 """The int4 residual codec of :mod:`.residuals` as two fused Triton kernels (one source for CUDA
-and XPU): per selected row (a few per program), ``encode`` gathers the row and its reference, scales each group by a
-power of two, packs the nibbles and exponents and writes the reference's new row; ``apply`` adds
-a received row to the held copy in place. One launch per call covers every plane of the tensor
+and XPU): per selected row (a few per program), ``encode`` gathers the row and its reference,
+scales each group by a power of two, packs the nibbles and exponents and writes the reference's
+new row; ``apply`` adds a received row to the held copy in place. One launch per call covers every plane of the tensor
 (every gated tensor joined along the planes, every destination of a run).
 
 Both compute exactly what :func:`.residuals.encode_int4` and :func:`.residuals.add_int4` compute,

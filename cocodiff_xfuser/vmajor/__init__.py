@@ -18,7 +18,8 @@ travel, after a bitmask of them, in the exchange. Every policy fixes each rank's
 before the layer runs, so a layer's exchange needs no agreement and no host synchronization:
 ``top-k`` and ``schedule`` from the settings and the step, ``budget`` and ``threshold`` from the
 shares their layers measured at earlier steps, agreed once per step. Tokens are ranked by integer
-sums and a stable sort (:func:`.policy.decide`): the same tokens on every device.
+sums, as a stable sort orders them (:func:`.policy.decide`; Triton kernels on a GPU, the torch
+reference on CPU): the same tokens on every device.
 
 ``budget`` (what ``--cocodiff-v-major auto`` runs) sends, per layer, the fewest tokens that keep the
 relative L2 error of V as the receivers hold it within ``error``: every layer measures at every

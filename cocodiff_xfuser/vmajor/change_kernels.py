@@ -63,6 +63,7 @@ def sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims:
                        num_warps=SUMS_WARPS)
     out = torch.empty(2, groups * s, dtype=torch.int64, device=x.device)
     scales = torch.empty(2, dtype=torch.float64, device=x.device)
+    commstats.count_kernel("change sums' one scale")
     _common[(2,)](own, exponents, out, scales, groups * s, top, BLOCK=min(triton.next_power_of_2(groups * s), COMMON_BLOCK))
     shape = [groups, s] if kept else [s]
     return [(out[i].view(shape), scales[i]) for i in range(2)]

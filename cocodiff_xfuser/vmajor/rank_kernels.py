@@ -45,10 +45,11 @@ def usable(keys: torch.Tensor) -> bool:
 
 def ranks(keys: torch.Tensor, budget: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every token's stable ascending rank by ``keys`` (int64 ``[s]``), and with ``budget`` (the
-    norms' integer sums, the keys' and the norms' scales, the error bound squared) how many tokens
-    the budget leaves out (float32 ``[1]``, an exact count): those whose running sum times the keys'
-    scale is within the norms' sum times theirs times the bound."""
+    """Every token's stable ascending rank (int64) by ``keys`` (``[s]``: the budget's int64 sums, or
+    a policy's float64 changes), and with ``budget`` (the norms' integer sums, the keys' and the
+    norms' scales, the error bound squared) how many tokens the budget leaves out (float32 ``[1]``,
+    an exact count): those whose running sum times the keys' scale is within the norms' sum times
+    theirs times the bound."""
     s = keys.numel()
     out = torch.empty(s, dtype=torch.long, device=keys.device)
     left = torch.zeros(1, dtype=torch.float32, device=keys.device) if budget is not None else None
