@@ -420,7 +420,8 @@ def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies
 @pytest.mark.timeout(600)
 def test_the_triton_kernels_in_a_job_give_the_torch_references_images(tmp_path):
     """V-Major with int4 residuals on the Ulysses exchanges and the ring's K/V: a job whose layers
-    run the Triton kernels (interpreted on the CPU: the change sums, the encode, the apply) makes
+    run the Triton kernels (interpreted on the CPU: the change sums, the ranking, the choice of
+    tokens, the encode, the apply) makes
     the images of a job that runs the torch reference, bit for bit, and the kernels ran."""
     # Over 4x1 both the Ulysses groups and the ring cross nodes; step 2 is sparse (the first two warm up).
     run = Run(model="tiny-flux", ulysses_degree=2, ring_degree=2, topology="4x1", steps=3, height=64, width=64,
@@ -434,5 +435,6 @@ def test_the_triton_kernels_in_a_job_give_the_torch_references_images(tmp_path):
         ran[interpreted] = json.loads((where / "result.json").read_text())["ran"]
     assert np.array_equal(images["0"], images["1"])
     assert not ran["0"]["kernels"] and not ran["1"]["fallbacks"], ran
-    assert {"change sums", "int4 encode", "int4 apply"} <= set(ran["1"]["kernels"]), ran["1"]["kernels"]
+    kernels = {"change sums", "change sums' one scale", "rank", "top", "int4 encode", "int4 apply"}
+    assert kernels <= set(ran["1"]["kernels"]), ran["1"]["kernels"]
     assert ran["1"]["exchanges"].get("ring v-major", 0) > 0 and ran["1"]["v_major_sparse"], ran["1"]
