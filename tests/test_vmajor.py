@@ -421,8 +421,8 @@ def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies
 def test_the_triton_kernels_in_a_job_give_the_torch_references_images(tmp_path):
     """V-Major with int4 residuals on the Ulysses exchanges and the ring's K/V: a job whose layers
     run the Triton kernels (interpreted on the CPU: the change sums, the ranking, the choice of
-    tokens, the encode, the apply) makes
-    the images of a job that runs the torch reference, bit for bit, and the kernels ran."""
+    tokens, the encode, the apply) makes the images of a job that runs the torch reference, bit for
+    bit, and the kernels ran."""
     # Over 4x1 both the Ulysses groups and the ring cross nodes; step 2 is sparse (the first two warm up).
     run = Run(model="tiny-flux", ulysses_degree=2, ring_degree=2, topology="4x1", steps=3, height=64, width=64,
               extra=("--cocodiff_v_major", "on", "--cocodiff_v_major_residual_dtype", "int4"))
