@@ -242,17 +242,25 @@ def reference_sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Ten
 def integer_sums(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums over ``dims`` of ``t`` (float32, >= 0) in fixed point, and the scale that makes them
     values (int64 sums, float64 scalar), the same bits in any order of summation: each sum's
-    elements at a power-of-two scale of their own (from their largest one's exponent), floored to
-    integers and summed, then brought to the scale of the sum with the largest element by a right
-    shift (a floor). One pass over ``t`` on a device. Every element sits below ``2**62 / t.numel()``
-    at its scale: no sum of the sums overflows."""
+    elements at a power-of-two scale of their own (:func:`own_scale_sums`), then every sum brought
+    to the scale of the one with the largest element (:func:`one_scale`). One pass over ``t`` on a
+    device. Every element sits below ``2**62 / t.numel()`` at its scale: no sum of the sums overflows."""
     top = 62 - t.numel().bit_length()
-    largest = t.amax(dims, keepdim=True)
-    own = _exponent(largest)  # per sum: its elements < 2**own
-    sums = torch.floor(t.double() * _pow2(top - own)).long().sum(dims)
-    own = own.squeeze(dims)
-    exponent = own.max()
-    return sums >> (exponent - own).clamp(max=63), _pow2(exponent - top)
+    return one_scale(*own_scale_sums(t, dims, top), top)
+
+
+def own_scale_sums(t: torch.Tensor, dims: tuple[int, ...], top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sum over ``dims`` of ``t``: its elements floored to integers at ``2**(top - e)`` and
+    summed (int64), and ``e`` (int64), the exponent its largest element is below."""
+    own = _exponent(t.amax(dims, keepdim=True))
+    return torch.floor(t.double() * _pow2(top - own)).long().sum(dims), own.squeeze(dims)
+
+
+def one_scale(sums: torch.Tensor, exponents: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`own_scale_sums`' sums at the scale of the one with the largest exponent (a right
+    shift, a floor), and that scale."""
+    exponent = exponents.max()
+    return sums >> (exponent - exponents).clamp(max=63), _pow2(exponent - top)
 
 
 def _exponent(t: torch.Tensor) -> torch.Tensor:

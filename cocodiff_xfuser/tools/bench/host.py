@@ -235,27 +235,22 @@ _QUANTITIES = {0: lambda x, r: (x - r).square(), 1: lambda x, r: (x - r).abs(), 
 def _change_sums(x, reference, own, exponents, s, d, inner, groups, before, top, A, B, **_):
     """``change_kernels._sums``: per kept group and token, each quantity's sum at its own scale and
     that scale's exponent."""
-    import torch
-
     from cocodiff_xfuser.vmajor import policy
 
     # [before, groups, inner, s, d]: the token dim and the kept one (groups), summed over the rest.
     x, r = (t.float().reshape(before, groups, inner, s, d) for t in (x, reference))
     for i, kind in enumerate((A, B)):
-        values = _QUANTITIES[kind](x, r)
-        e = policy._exponent(values.amax((0, 2, 4), keepdim=True))
-        own[i].copy_(torch.floor(values.double() * ((1023 + top - e) << 52).view(torch.float64)).long().sum((0, 2, 4)).flatten())
+        sums, e = policy.own_scale_sums(_QUANTITIES[kind](x, r), (0, 2, 4), top)
+        own[i].copy_(sums.flatten())
         exponents[i].copy_(e.flatten())
 
 
 def _change_common(own, exponents, out, scales, n, top, **_):
     """``change_kernels._common``: each quantity's sums at the scale of its largest exponent."""
-    import torch
+    from cocodiff_xfuser.vmajor import policy
 
     for i in range(2):
-        e = exponents[i].long().max()
-        out[i].copy_(own[i] >> (e - exponents[i].long()).clamp(max=63))
-        scales[i] = ((1023 + e - top) << 52).view(torch.float64)
+        out[i], scales[i] = policy.one_scale(own[i], exponents[i].long(), top)
 
 
 def _rank(keys, norms, scale, norm_scale, ranks, left, s, bound, BUDGET, **_):
