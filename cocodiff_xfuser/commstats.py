@@ -96,8 +96,8 @@ def count_v_first_call() -> None:
     _ran.v_first_calls += 1
 
 
-def count_fallback(reason: str) -> None:
-    _ran.fallbacks[reason] += 1
+def count_fallback(reason: str, calls: int = 1) -> None:
+    _ran.fallbacks[reason] += calls
 
 
 def count_v_major_time(seconds: float) -> None:

@@ -72,6 +72,7 @@ class Streams:
 
 
 _streams: Streams | None = None
+_padded_forwards = 0  # forwards that padded tokens so far (what a step clock compares around a call)
 _uneven_heads: str | None = None  # the loaded model's heads over the degree, when they do not divide
 _keep_cache: dict[tuple[Streams, torch.device], torch.Tensor] = {}
 
@@ -79,12 +80,18 @@ _keep_cache: dict[tuple[Streams, torch.device], torch.Tensor] = {}
 @contextlib.contextmanager
 def tokens(streams: Streams) -> Iterator[None]:
     """While a padded forward runs: attention drops the padded keys (:func:`keep_keys`)."""
-    global _streams
+    global _streams, _padded_forwards
     previous, _streams = _streams, streams
+    _padded_forwards += 1
     try:
         yield
     finally:
         _streams = previous
+
+
+def padded_forwards() -> int:
+    """How many forwards padded tokens so far in this process."""
+    return _padded_forwards
 
 
 def tokens_padded() -> bool:

@@ -26,11 +26,10 @@ def heads(tensors: Sequence[torch.Tensor], levels: Sequence[int], layout: Sequen
     """
     b, h, s, d = tensors[0].shape
     world, k = int(torch.Size(levels).numel()), len(levels)
-    out = tensors[0].new_empty([levels[j] for j in layout] + [len(tensors), b, h // world, s, d])
-    for i, t in enumerate(tensors):
-        # [b, h, s, d] -> [b, *levels, h/W, s, d] -> [*levels in layout order, b, h/W, s, d]
-        blocks = t.view(b, *levels, h // world, s, d).permute(*(1 + j for j in layout), 0, k + 1, k + 2, k + 3)
-        out.select(k, i).copy_(blocks)
+    order = (*(1 + j for j in layout), 0, k + 1, k + 2, k + 3)
+    # [b, h, s, d] -> [b, *levels, h/W, s, d] -> [*levels in layout order, b, h/W, s, d], each
+    # tensor a view; stacked at dim k in one new tensor (one operation, however many tensors).
+    out = torch.stack([t.view(b, *levels, h // world, s, d).permute(order) for t in tensors], k)
     commstats.count_copy(out.numel() * out.element_size())
     return out
 

@@ -5,10 +5,10 @@ in a process of its own), two pipeline calls each, and records dynamo's counters
 and after each call (``tools/generate.py``: frames converted, graph breaks by reason). A recompile
 converts a frame again, so "no recompile after the first call" is "as many frames after the
 second call as after the first". xfuser's own Ulysses exchange is one operator in cocodiff's graphs
-(no break), and so are V-First's exchanges (V-Major's too), decided in the graph; the only graph breaks
-cocodiff may add are auto's (it may hand a step to stock): the V-First processors' exchange entry points
-(disabled for dynamo: their host work runs between graphs) and their decision at a layer's entry, and
-the ring attention.
+(no break), and so are V-First's exchanges (V-Major's too), decided in the graph, auto's steps
+included (a step's hand-off to stock is one bool the graphs guard: two of them, made in the first
+call); the only graph breaks cocodiff may add are the ring attention's and, under a ring, the V-First
+processors' exchange entry points (disabled for dynamo: their host work runs between graphs).
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from cocodiff_xfuser.tools.verify import Run
 pytestmark = pytest.mark.distributed
 
 DISABLED = "Skip calling `torch.compiler.disable()`d function: "
-#: Where a compiled cocodiff layer may break its graph: under auto (which may hand a step to stock),
-#: V-First's exchange starts and waits and its step decision at the layer's entry (elsewhere they are
-#: operators, decided in the graph), and the ring attention (its K/V exchanges).
-EXCHANGE_POINTS = {"_start_input_exchange", "exchange_inputs", "output_exchange", "_decide", "_templated_ring_attention"}
+#: Where a compiled cocodiff layer may break its graph under a ring: V-First's exchange starts and waits
+#: (elsewhere they are operators, decided in the graph), and the ring attention (its K/V exchanges).
+EXCHANGE_POINTS = {"_start_input_exchange", "exchange_inputs", "output_exchange", "_templated_ring_attention"}
 V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on", "cocodiff_v_major_warmup_steps": 1}
 # Auto's speed check decides within the first call (its warm-up step, then three rounds of three arms).
 V_MAJOR_AUTO = {**V_MAJOR, "cocodiff_v_major": "auto"}
@@ -118,9 +117,10 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
         ours = {r.removeprefix(DISABLED) for r in second["graph_breaks"] if r not in stock_breaks}
         if backend == "cocodiff":  # stock's processors: the exchange is one operator in the graph
             assert not ours, ours
-        if backend != "auto" and JOBS[job][2] == 1:
-            # V-First (exact or V-Major) decided in the graph, its exchanges operators: one graph per forward.
-            assert not ours, ours
+        if JOBS[job][2] == 1:
+            # V-First (exact or V-Major, auto's steps too) decided in the graph, its exchanges operators:
+            # one graph per forward.
+            assert not ours, (ours, rank)
         assert ours <= EXCHANGE_POINTS, ours
     assert "recompile_limit" not in (out / "stderr.txt").read_text()
     # The path under test ran, compiled.

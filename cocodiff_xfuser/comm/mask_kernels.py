@@ -13,6 +13,7 @@ import torch
 
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residual_kernels
+from cocodiff_xfuser.comm.residual_kernels import next_power_of_2
 
 try:
     import triton
@@ -35,7 +36,7 @@ def rows(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
     if n and k:
         commstats.count_kernel("mask decode")
         stride = mask.stride(0) if mask.dim() == 2 else 0
-        _rows[(n,)](mask, out, s, k, stride, BLOCK=triton.next_power_of_2(s))
+        _rows[(n,)](mask, out, s, k, stride, BLOCK=next_power_of_2(s))
     return out
 
 

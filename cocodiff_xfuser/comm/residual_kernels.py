@@ -34,6 +34,18 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 ENCODE_ROWS, ENCODE_WARPS, APPLY_ROWS, APPLY_WARPS = 8, 1, 8, 2
 
 
+# The launch grids' arithmetic in plain Python: triton's own ``cdiv`` and ``next_power_of_2`` are
+# constexpr functions, whose call from the host costs far more than the arithmetic, at every launch.
+def cdiv(n: int, block: int) -> int:
+    """Blocks of ``block`` that cover ``n``."""
+    return -(-n // block)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n`` <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def runs_on(t: torch.Tensor) -> bool:
     """Whether Triton kernels run on ``t``'s device: triton present, an accelerator (or the interpreter)."""
     return triton is not None and (_INTERPRETED or t.device.type in _DEVICES)
@@ -56,7 +68,7 @@ def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, gr
     n = math.prod(planes)
     if n and k:
         commstats.count_kernel("int4 encode")
-        _encode[(n, triton.cdiv(k, ENCODE_ROWS))](x, reference, rows, out, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d),
+        _encode[(n, cdiv(k, ENCODE_ROWS))](x, reference, rows, out, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
                                                   WIDTH=width, ROWS=ENCODE_ROWS, num_warps=ENCODE_WARPS)
     return out
 
@@ -71,7 +83,7 @@ def apply_int4(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | N
         commstats.count_kernel("int4 apply")
         every = rows is None
         index = payload if every else rows  # any pointer where the kernel reads no index
-        _apply[(n, triton.cdiv(k, APPLY_ROWS))](held, payload, index, s, k, D=d, G=group, BLOCK=triton.next_power_of_2(d),
+        _apply[(n, cdiv(k, APPLY_ROWS))](held, payload, index, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
                                                 WIDTH=payload.shape[-1], EVERY=every, ROWS=APPLY_ROWS, num_warps=APPLY_WARPS)
 
 

@@ -291,7 +291,8 @@ def exchange_chunks(out: torch.Tensor, inp: torch.Tensor, group: Any, what: str)
     me, world = group_info(group)
     if inp.numel() != out.numel() or inp.numel() % world:
         raise ValueError(f"equal-split exchange needs equal sizes divisible by {world}: {inp.numel()}, {out.numel()}")
-    send, recv = inp.view(-1).chunk(world), out.view(-1).chunk(world)
+    send = (inp if inp.dim() == 1 else inp.view(-1)).chunk(world)
+    recv = (out if out.dim() == 1 else out.view(-1)).chunk(world)
     done = post([[c] for c in recv], [[c] for c in send], group, None, what, (out, inp))
     copy_own(recv[me], send[me])
     return done

@@ -143,6 +143,7 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
         clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, group, settings, stock)
     ours = tuple(replacements().values())
     processors = [p for p in (getattr(m, "processor", None) for m in transformer.modules()) if isinstance(p, ours)]
+    clock.processors = len(processors)
     for processor in processors:
         processor.clock = clock
         if exchanger.slow_level is not None and processor.v_major is None:

@@ -26,8 +26,8 @@ from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.ulysses_layout import heads, sequence
+from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import policy
-from cocodiff_xfuser.vmajor.clock import Clock
 from cocodiff_xfuser.xfuser import job
 
 logger = logging.getLogger("cocodiff_xfuser")
@@ -42,7 +42,7 @@ class VFirst:
 
     exchanger: Exchanger | None = None
     v_major: policy.Layer | None = None
-    clock: Clock | None = None
+    clock: vmajor_clock.Clock | None = None
 
 
 class PendingExchange:
@@ -413,9 +413,14 @@ def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Ste
         covered = _Covered.start(exchanger, ("o",), stacked, "out", v_major)
         if covered is not None:
             exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
-            return exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d)[:, :heads]
+            return _real_heads(exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d), heads)
     exchanged = commstats.timed_exchange(lambda t: exchanger.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
-    return exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d)[:, :heads]
+    return _real_heads(exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d), heads)
+
+
+def _real_heads(out: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[b, h, s, d]`` without the padded heads past ``heads`` (``out`` itself where there are none)."""
+    return out if out.shape[1] == heads else out[:, :heads]
 
 
 def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
@@ -441,12 +446,14 @@ def fallback_reason(
     Traced by torch.compile, V-First is decided in the graph from the local reasons alone, which
     dynamo guards (a change traces again): they read settings, module attributes and the call's
     arguments, the same on every rank, and what a rank's installation decides (fused kernels) was
-    agreed when the processors were installed (:func:`cocodiff_xfuser.compat.fused_kernels`). A graph break inside a
-    layer would send the model's whole forward to eager (its loop over blocks cannot resume), so
-    only a fall-back or auto's steps (which may hand a step to stock) break it, at the layer's entry.
+    agreed when the processors were installed (:func:`cocodiff_xfuser.compat.fused_kernels`); under
+    auto, the step's choice of processors, fixed for the transformer call
+    (:attr:`~cocodiff_xfuser.vmajor.clock.Clock.to_stock`: two graphs at most, both traced in the
+    trial's first call). A graph break inside a layer would send the model's whole forward to eager
+    (its loop over blocks cannot resume), so only a fall-back breaks it, at the layer's entry.
     """
     if torch.compiler.is_compiling() and _v_first_in_graph(processor, extra):
-        return None
+        return _stock_step(processor, padding.tokens_padded())
     return _decide(processor, extra, inputs)
 
 
@@ -454,9 +461,16 @@ def _v_first_in_graph(processor: object, extra: Callable[[], str | None] | None)
     from xfuser.core.distributed import get_ulysses_parallel_world_size
 
     exchanger = getattr(processor, "exchanger", None)
-    clock = getattr(processor, "clock", None)
     return (exchanger is not None and not exchanger.closed and get_ulysses_parallel_world_size() > 1
-            and (clock is None or not clock.may_hand_to_stock()) and _local_reason(extra) is None)
+            and _local_reason(extra) is None)
+
+
+def _stock_step(processor: object, padded: bool) -> str | None:
+    """Auto's reason to hand this call to xfuser's processors (counted by the clock), or None:
+    its step runs them, and nothing ``padded`` needs cocodiff's processors. The same on every rank
+    (the step and agreed times decide it)."""
+    clock = getattr(processor, "clock", None)
+    return vmajor_clock.STOCK_STEP if clock is not None and clock.to_stock and not padded else None
 
 
 @torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host
@@ -474,12 +488,8 @@ def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: S
         device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
         anyone = any_rank(local is not None, exchanger.group, device)
         agreed[key] = local if local is not None or not anyone else "a fall-back on another rank"
-    clock = getattr(processor, "clock", None)
-    if agreed[key] is None and clock is not None and clock.stock_step() and padding.required() is None:
-        # Auto's choice, from the step and agreed times: the same on every rank; not a warning.
-        reason = "stock processors' step (auto)"
-        commstats.count_fallback(f"v-first: {reason}")
-        return reason
+    if agreed[key] is None:
+        return _stock_step(processor, padding.required() is not None)
     return _counted(agreed[key])
 
 

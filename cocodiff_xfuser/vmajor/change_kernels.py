@@ -20,6 +20,7 @@ import torch
 
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residual_kernels
+from cocodiff_xfuser.comm.residual_kernels import next_power_of_2
 
 try:
     import triton
@@ -59,12 +60,12 @@ def sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims:
     top = 62 - x.numel().bit_length()
     commstats.count_kernel("change sums")
     _sums[(groups, s)](x, reference, own, exponents, s, d, inner, groups, before, top, A=codes[0], B=codes[1],
-                       BLOCK_I=min(triton.next_power_of_2(inner), SUMS_ROWS), BLOCK_D=min(triton.next_power_of_2(d), 256),
+                       BLOCK_I=min(next_power_of_2(inner), SUMS_ROWS), BLOCK_D=min(next_power_of_2(d), 256),
                        num_warps=SUMS_WARPS)
     out = torch.empty(2, groups * s, dtype=torch.int64, device=x.device)
     scales = torch.empty(2, dtype=torch.float64, device=x.device)
     commstats.count_kernel("change sums' one scale")
-    _common[(2,)](own, exponents, out, scales, groups * s, top, BLOCK=min(triton.next_power_of_2(groups * s), COMMON_BLOCK))
+    _common[(2,)](own, exponents, out, scales, groups * s, top, BLOCK=min(next_power_of_2(groups * s), COMMON_BLOCK))
     shape = [groups, s] if kept else [s]
     return [(out[i].view(shape), scales[i]) for i in range(2)]
 

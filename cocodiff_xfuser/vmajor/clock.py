@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import commstats
+from cocodiff_xfuser import commstats, padding
 from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.comm.agreement import agree
 from cocodiff_xfuser.settings import VMajorSettings
@@ -24,6 +24,8 @@ TRIAL_ROUNDS = 3
 #: The ways auto's speed check runs steps: with V-Major; as V-First alone (exact exchanges, no
 #: selection); with xfuser's own attention processors over cocodiff's exchange (exact too).
 ARMS = ("v-major", "v-first", "stock")
+#: What a V-First processor's call on a stock step counts as (:func:`cocodiff_xfuser.commstats.ran`'s fall-backs).
+STOCK_STEP = "stock processors' step (auto)"
 
 
 class Trial:
@@ -194,6 +196,13 @@ class Clock:
         # the job; ``stock``: it found V-First's not faster either, and xfuser's processors take over.
         self.trial = None if trial_from is None else Trial(trial_from, arms)
         self.off = self.stock = False
+        #: Whether the transformer call under way runs xfuser's processors (:meth:`stock_step`, fixed
+        #: at its tick): a compiled graph reads this one bool, so at most two graphs, both made in
+        #: the first pipeline call (the trial's), not the step or the trial.
+        self.to_stock = False
+        #: The V-First processors on this clock, each called once per transformer call.
+        self.processors = 0
+        self._padded_forwards = 0  # padding's count at the tick: a forward that padded tokens kept V-First
 
     def open(self) -> Call:
         """A pipeline call starts: its own state, nothing carried over from the last."""
@@ -210,6 +219,11 @@ class Clock:
             call.settle()
 
     def tick(self, timestep: Any) -> None:
+        self._tick(timestep)
+        self.to_stock = self.stock_step()
+        self._padded_forwards = padding.padded_forwards()
+
+    def _tick(self, timestep: Any) -> None:
         call = self.current
         if call is None:
             return
@@ -245,11 +259,6 @@ class Clock:
         """Whether this step runs without V-Major (one of auto's timed exact steps)."""
         return self.trial is not None and self.current is not None and self.trial.arm(self.current.step) not in (None, "v-major")
 
-    def may_hand_to_stock(self) -> bool:
-        """Whether some step may yet run xfuser's processors (auto's trial under way, or its choice).
-        Read in compiled graphs: nothing it reads changes from step to step."""
-        return self.stock or self.trial is not None
-
     def stock_step(self) -> bool:
         """Whether this step's attention runs xfuser's processors over cocodiff's exchange (auto found
         V-First not faster, or this is one of its timed stock steps)."""
@@ -268,6 +277,10 @@ class Clock:
         return call.shares
 
     def settle(self) -> None:
+        """After a transformer call: its agreement completed, and its processors' calls counted where
+        they ran xfuser's (here, not in the processors: a compiled graph counts nothing)."""
+        if self.to_stock and padding.padded_forwards() == self._padded_forwards:
+            commstats.count_fallback(f"v-first: {STOCK_STEP}", self.processors)
         if self.current is not None:
             self.current.settle()
 

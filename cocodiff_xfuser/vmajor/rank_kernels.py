@@ -25,6 +25,7 @@ import torch
 
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residual_kernels, sparse
+from cocodiff_xfuser.comm.residual_kernels import cdiv
 
 try:
     import triton
@@ -55,8 +56,8 @@ def ranks(keys: torch.Tensor, budget: tuple[torch.Tensor, torch.Tensor, torch.Te
     left = torch.zeros(1, dtype=torch.float32, device=keys.device) if budget is not None else None
     norms, scale, norm_scale, bound = budget if budget is not None else (keys, keys, keys, 0.0)
     commstats.count_kernel("rank")
-    _rank[(triton.cdiv(s, TOKENS),)](keys, norms, scale, norm_scale, out, out if left is None else left, s,
-                                     _float64_bits(bound), BUDGET=budget is not None, BI=TOKENS, BJ=PASS, num_warps=WARPS)
+    _rank[(cdiv(s, TOKENS),)](keys, norms, scale, norm_scale, out, out if left is None else left, s,
+                              _float64_bits(bound), BUDGET=budget is not None, BI=TOKENS, BJ=PASS, num_warps=WARPS)
     return out, left
 
 
@@ -66,7 +67,7 @@ def top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     active = torch.empty(k, dtype=torch.long, device=ranks.device)
     mask = torch.empty(sparse.mask_bytes(s), dtype=torch.uint8, device=ranks.device)
     commstats.count_kernel("top")
-    _top[(triton.cdiv(mask.numel() * 8, TOP_TOKENS),)](ranks, active, mask, s, s - k, mask.numel(), BI=TOP_TOKENS)
+    _top[(cdiv(mask.numel() * 8, TOP_TOKENS),)](ranks, active, mask, s, s - k, mask.numel(), BI=TOP_TOKENS)
     return active, mask
 
 
