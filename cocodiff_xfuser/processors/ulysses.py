@@ -151,7 +151,9 @@ class PendingExchange:
         if commstats.enabled() and not self._carried:  # a carried V's bytes and time are Q/K's
             finished = timing.now(exchanged.device)
             commstats.record_async(self._label, self._nbytes, self._started, waited, finished, self._calibration)
-        return sequence(exchanged.reshape(self._stacked_shape), self._n)
+        if exchanged.shape != self._stacked_shape:  # fp8 on the slow links only: rows of its own layout
+            exchanged = exchanged.reshape(self._stacked_shape)
+        return sequence(exchanged, self._n)
 
 
 class _Covered:
