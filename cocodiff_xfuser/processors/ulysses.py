@@ -279,18 +279,18 @@ def _take_in_flight() -> PendingExchange:
 
 @torch.library.custom_op("cocodiff::v_first_inputs", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _inputs_operator(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q/K's exchange and the wait for V (:func:`exchange_inputs`) in a compiled graph: head-sharded Q, K, V."""
+    """Q's and K's exchanges and the wait for V (:func:`exchange_inputs`) in a compiled graph: head-sharded Q, K, V."""
     global _covering
-    _, query, key, value, _, _covering, _ = exchange_inputs(query, key, _take_in_flight(), None, None, None, None, None)
+    _, query, key, value, _covering = exchange_inputs(query, key, _take_in_flight())
     return tuple(_owned(t.contiguous()) for t in (query, key, value))
 
 
 @_inputs_operator.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     world = job.exchanger().world_size
-    b, h, s, d = query.shape
+    b, h, s, d = query.shape  # the query may carry joint tokens that K and V do not
     local_heads = padding.padded(h, world) // world
-    keys = padding.kept_tokens(world * s)
+    keys = padding.kept_tokens(world * key.shape[2])
     return query.new_empty(b, local_heads, world * s, d), key.new_empty(b, local_heads, keys, d), key.new_empty(b, local_heads, keys, d)
 
 
@@ -327,23 +327,45 @@ def attention(
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
 
-    Under torch.compile the exchanges (``value`` the token of V's operator, no joint tensors, no
-    K/V trim, Q and K alike) are operators of the graph; the others are graph breaks
-    (:func:`exchange_inputs` and :func:`output_exchange`). Their host work stays out of traced code
-    either way; the attention itself is traced.
+    Under torch.compile (``value`` the token of V's operator) the exchanges are operators of the
+    graph; where V's exchange could not start as one, graph breaks (:func:`exchange_inputs` and
+    :func:`output_exchange`). Their host work stays out of traced code either way; the joint
+    tokens' layout, the K/V trim and the attention itself are traced.
     """
     head_count = query.shape[1]
-    kv_trim = bool(attention_kwargs) and attention_kwargs.get("valid_kv_len") is not None  # USP's trailing K/V trim
-    if isinstance(value, torch.Tensor) and joint_strategy is None and not kv_trim and query.shape == key.shape:
+    query, joint_attn_kwargs = _joined(query, joint_query, joint_key, joint_value, joint_strategy)
+    if isinstance(value, torch.Tensor):
         # Traced, V's exchange an operator in flight: the exchanges are operators too, not graph breaks.
         query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, value)
-        out = _attend(compat.usp("_get_attention_function")(), query, key, value, None, attention_kwargs)
+        key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
+        out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
         return torch.ops.cocodiff.v_first_output(out, head_count)
-    exchanger, query, key, value, joint_attn_kwargs, v_major, attention_function = exchange_inputs(
-        query, key, value, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs
-    )
-    out = _attend(attention_function, query, key, value, joint_attn_kwargs, attention_kwargs)
+    exchanger, query, key, value, v_major = exchange_inputs(query, key, value)
+    key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
+    out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
     return output_exchange(exchanger, out, v_major, head_count)
+
+
+def _joined(query, joint_query, joint_key, joint_value, joint_strategy) -> tuple[torch.Tensor, dict | None]:
+    """``USP``'s joint tokens: the query with ``joint_query`` joined, and the joint arguments of its
+    attention function (``joint_key``/``joint_value`` narrowed to this rank's heads); the query and
+    None without a ``joint_strategy``."""
+    from xfuser.core.distributed import get_ring_parallel_world_size, get_ulysses_parallel_world_size
+
+    if not joint_strategy:
+        return query, None
+    world = get_ulysses_parallel_world_size()
+    query = compat.usp("_concat_joint_tensor")(query, joint_query, joint_strategy, dim=2)
+    joint_key, joint_value = compat.usp("_preprocess_joint_tensors")(
+        padding.pad_heads(joint_key, world), padding.pad_heads(joint_value, world)
+    )
+    return query, {
+        "joint_value": joint_value,
+        "joint_key": joint_key,
+        "joint_strategy": joint_strategy,
+        "step": 0,
+        "total_steps": get_ring_parallel_world_size(),
+    }
 
 
 def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_kwargs) -> torch.Tensor:
@@ -359,30 +381,12 @@ def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_
 
 
 @torch.compiler.disable
-def exchange_inputs(query, key, value: PendingExchange | torch.Tensor, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs):
-    """:func:`attention`'s exchanges of Q and K, and the wait for V: the exchanger, head-sharded Q,
-    K, V, the joint arguments of xfuser's attention function, V's V-Major step (or None) and that function.
-    ``value``: V's exchange, or the token of a compiled graph's operator that started it."""
-    from xfuser.core.distributed import get_ring_parallel_world_size
-
-    if isinstance(value, torch.Tensor):
-        value = _take_in_flight()
+def exchange_inputs(query: torch.Tensor, key: torch.Tensor, value: PendingExchange):
+    """:func:`attention`'s exchanges of Q and K (the query with any joint tokens), and the wait for
+    V's exchange ``value``: the exchanger, head-sharded Q, K, V (without the running forward's padded
+    tokens) and V's V-Major step (or None)."""
     value.advance()
     exchanger = value.exchanger
-    world = exchanger.world_size
-    joint_attn_kwargs = None
-    if joint_strategy:
-        query = compat.usp("_concat_joint_tensor")(query, joint_query, joint_strategy, dim=2)
-        joint_key, joint_value = compat.usp("_preprocess_joint_tensors")(
-            padding.pad_heads(joint_key, world), padding.pad_heads(joint_value, world)
-        )
-        joint_attn_kwargs = {
-            "joint_value": joint_value,
-            "joint_key": joint_key,
-            "joint_strategy": joint_strategy,
-            "step": 0,
-            "total_steps": get_ring_parallel_world_size(),
-        }
     if query.shape == key.shape:
         query, key = PendingExchange(exchanger, (query, key), "qk", v_major=value.v_major, carrying=value).wait()
     else:  # the query carries the joint tokens: two exchanges, both in flight together
@@ -392,8 +396,7 @@ def exchange_inputs(query, key, value: PendingExchange | torch.Tensor, joint_que
     v_major = value.v_major
     (value,) = value.wait()
     key, value = padding.keep_keys(key, value)
-    key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-    return exchanger, query, key, value, joint_attn_kwargs, v_major, compat.usp("_get_attention_function")()
+    return exchanger, query, key, value, v_major
 
 
 @torch.compiler.disable

@@ -162,6 +162,17 @@ def test_an_exchange_across_nodes_runs_code_in_at_most_six_product_modules():
     assert "CASE exchange_modules ok" in out and "EXCHANGE MODULES flat-pxn" in out, out
 
 
+@pytest.mark.distributed
+def test_compiled_joint_path_keeps_one_graph_and_stocks_bits():
+    """HunyuanVideo's whole-text (``"rear"``) joint attention compiled, Ulysses 2: V-First's exchanges
+    are operators of the graph (the joint tokens' layout traced around them), so it breaks the graph
+    nowhere compiled stock does not, and gives compiled stock's output bitwise (SD3 at a text length
+    the degree does not divide takes this path)."""
+    argv = [str(WORKER), "--ulysses", "2", "--cases", "hunyuan_video_rear_text_compiled"]
+    out = torchrun(2, argv, env=ENV, timeout=600).stdout
+    assert "CASE hunyuan_video_rear_text_compiled ok" in out, out
+
+
 # ------------------------------------------------------------------ SD3 whole-text joint path
 
 

@@ -223,6 +223,43 @@ def case_hunyuan_video_rear_text() -> None:
     check(not get_runtime_state().split_text_embed_in_sp, "the text was split: the joint path did not run")
 
 
+def case_hunyuan_video_rear_text_compiled() -> None:
+    """The whole-text joint path under ``torch.compile``: V-First's exchanges are operators of the
+    graph (the joint tokens' layout traced around them), so V-First breaks the graph nowhere that
+    compiled stock does not, and gives compiled stock's output."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from xfuser.core.distributed import get_sequence_parallel_world_size
+
+    from cocodiff_xfuser import commstats, compat
+    from cocodiff_xfuser.platform import detect
+    from cocodiff_xfuser.processors import families
+    from cocodiff_xfuser.xfuser import job
+
+    build, inputs, _ = hunyuan_video(valid_text=2 * get_sequence_parallel_world_size() + 1)
+    outputs, breaks = [], []
+    for v_first in (False, True):
+        use_backend(v_first)
+        compat.use_switches(v_first, True, not detect().is_cuda)  # what a compiled job of this backend installs
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = build().eval()
+        if v_first:
+            check(families.install(model, job.exchanger()) > 0, "compiled hunyuan_video: no V-First processor installed")
+        calls = commstats.ran()["v_first_calls"]
+        with torch.no_grad():
+            outputs.append(torch.compile(model)(**inputs)[0])
+        breaks.append(set(counters["graph_break"]))
+        ran = commstats.ran()["v_first_calls"] - calls
+        check((ran > 0) == v_first, f"compiled hunyuan_video: {ran} V-First calls")
+    compat.use_switches(False, False, not detect().is_cuda)
+    use_backend(False)
+    check(breaks[1] <= breaks[0], f"compiled hunyuan_video: V-First's graph breaks {breaks[1] - breaks[0]}")
+    stock, ours = outputs
+    check(same_bits(stock, ours), f"compiled hunyuan_video: V-First differs from stock, max abs diff {(stock - ours).abs().max()}")
+
+
 # ------------------------------------------------------------------------- one exchange's reach
 
 #: The most product modules one exchange may run code in, from its start to its result (the
@@ -314,6 +351,7 @@ CASES = {
     "flux2_fused": case_flux2_fused,
     "hunyuan_video_split_text": case_hunyuan_video_split_text,
     "hunyuan_video_rear_text": case_hunyuan_video_rear_text,
+    "hunyuan_video_rear_text_compiled": case_hunyuan_video_rear_text_compiled,
     "exchange_modules": case_exchange_modules,
 }
 
