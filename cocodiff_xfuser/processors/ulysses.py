@@ -350,10 +350,10 @@ def _joined(query, joint_query, joint_key, joint_value, joint_strategy) -> tuple
     """``USP``'s joint tokens: the query with ``joint_query`` joined, and the joint arguments of its
     attention function (``joint_key``/``joint_value`` narrowed to this rank's heads); the query and
     None without a ``joint_strategy``."""
-    from xfuser.core.distributed import get_ring_parallel_world_size, get_ulysses_parallel_world_size
-
     if not joint_strategy:
         return query, None
+    from xfuser.core.distributed import get_ring_parallel_world_size, get_ulysses_parallel_world_size
+
     world = get_ulysses_parallel_world_size()
     query = compat.usp("_concat_joint_tensor")(query, joint_query, joint_strategy, dim=2)
     joint_key, joint_value = compat.usp("_preprocess_joint_tensors")(
