@@ -471,9 +471,9 @@ def _v_first_in_graph(processor: object, extra: Callable[[], str | None] | None)
 
 
 def _stock_step(processor: object, padded: bool) -> str | None:
-    """Auto's reason to hand this call to xfuser's processors (counted by the clock), or None:
-    its step runs them, and nothing ``padded`` needs cocodiff's processors. The same on every rank
-    (the step and agreed times decide it)."""
+    """Auto's reason to hand this call to xfuser's processors where its step runs them and nothing
+    ``padded`` needs cocodiff's (the clock counts the call), else None. The same on every rank: the
+    step and agreed times decide it."""
     clock = getattr(processor, "clock", None)
     return vmajor_clock.STOCK_STEP if clock is not None and clock.to_stock and not padded else None
 

@@ -197,10 +197,11 @@ class Clock:
         self.trial = None if trial_from is None else Trial(trial_from, arms)
         self.off = self.stock = False
         #: Whether the transformer call under way runs xfuser's processors (:meth:`stock_step`, fixed
-        #: at its tick): a compiled graph reads this one bool, so at most two graphs, both made in
-        #: the first pipeline call (the trial's), not the step or the trial.
+        #: at its tick): all a compiled graph reads of auto's choice, one bool, so two graphs at
+        #: most, both traced in the first pipeline call (the trial's).
         self.to_stock = False
-        #: The V-First processors on this clock, each called once per transformer call.
+        #: The V-First processors on this clock, each called once per transformer call (all of them
+        #: count as handed to stock at a stock step, a processor that falls back for its own reason too).
         self.processors = 0
         self._padded_forwards = 0  # padding's count at the tick: a forward that padded tokens kept V-First
 
