@@ -108,3 +108,5 @@ def test_the_report_gives_every_configuration_eager_and_compiled(capsys):
             assert m["layers_per_step"] == 4 and m["exchanges_per_step"] >= 8, (name, mode, m)
             # V-Major's layers launch its kernels (stood in for), the exact ones none.
             assert (m["kernel_launches_per_layer"] > 0) == (name == "cocodiff+vfirst+vmajor"), (name, mode, m)
+            # Eager, beside stock's host time per layer in the same round.
+            assert ("host_layer_vs_stock" in m) == (mode == "eager"), (name, mode, m)

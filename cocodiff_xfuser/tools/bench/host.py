@@ -8,12 +8,15 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
 * **steps**: stock and every configuration in one job (``generate --repeat``): each one's median
   step and its ratio to stock's; ``--rounds`` such jobs, the medians over them (this host's speed
   drifts by tens of percent between jobs minutes apart, and a ratio within one job by a few);
-* **host time**: each configuration alone with its point-to-point batches taken out (every batch is
-  posted as nothing and completes at once, so gloo's latency is not counted; the exchanges move no
-  data, byte messages echo what the rank sends its peer (or arrive as zeros), the time that takes is
-  not counted, and the images mean nothing; the fair flat exchange is
-  forced, so that every exchange is such a batch): the time the timed calls spent in cocodiff's entry points, outermost calls only: the
-  V-First processors' decision at a layer's entry, V's start, Q/K's exchange with V's wait, the
+* **host time**: ``--rounds`` rounds of one job per configuration (stock's first, eager), the
+  medians over the rounds, and eager each configuration's host time per layer over stock's of the
+  same round (``host_layer_vs_stock``, the median: a round's jobs are a minute apart, the host's
+  drift hits both). A job runs the configuration alone with its point-to-point batches taken out
+  (every batch is posted as nothing and completes at once, so gloo's latency is not counted; the
+  exchanges move no data, byte messages echo what the rank sends its peer (or arrive as zeros), the
+  time that takes is not counted, and the images mean nothing; the fair flat exchange is forced, so
+  that every exchange is such a batch): the time the timed calls spent in cocodiff's entry points,
+  outermost calls only: the V-First processors' decision at a layer's entry, V's start, Q/K's exchange with V's wait, the
   output exchange, and, under stock's processors, the routed exchange (``Exchanger.all_to_all``).
   ``host_s_per_exchange``: the exchange entry points' time over the exchanges that ran;
   ``host_s_per_layer``: all of it over the attention layer calls (V-First calls, or with stock's
@@ -99,34 +102,48 @@ def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out:
 def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: float = TIMEOUT_S, rounds: int = DEFAULT_ROUNDS) -> dict:
     """The report: per configuration (stock first) and mode, the step, its ratio to stock's (medians
     over ``rounds`` jobs, each ratio within its job) and, for cocodiff's, its own host time per
-    exchange and per layer."""
+    exchange and per layer (medians over ``rounds`` rounds of jobs; eager, its ratio to stock's)."""
     rows = {name: {"name": name} for name in ("ulysses", *CONFIGS)}
     with tempfile.TemporaryDirectory(prefix="cocodiff-bench-host-") as tmp:
         for mode in modes:
             compiled = mode == "compiled"
             jobs = [_steps(model, steps, repeat, compiled, Path(tmp) / f"steps-{mode}-{r}", timeout) for r in range(rounds)]
             rows["ulysses"][mode] = {"step_s": statistics.median(j["ulysses"] for j in jobs), "step_ratio": 1.0}
-            if not compiled:  # compiled, stock's exchanges are traced: no Python of theirs runs per call
-                rows["ulysses"][mode].update(_host(model, "ulysses", steps, repeat, compiled, Path(tmp) / "host-eager-ulysses", timeout))
+            # Compiled, stock's exchanges are traced: no Python of theirs runs per call.
+            timed = CONFIGS if compiled else ("ulysses", *CONFIGS)
+            hosts = [{config: _host(model, config, steps, repeat, compiled, Path(tmp) / f"host-{mode}-{config}-{r}", timeout)
+                      for config in timed} for r in range(rounds)]
+            if not compiled:
+                rows["ulysses"][mode].update(_medians([h["ulysses"] for h in hosts]))
             for config in CONFIGS:
-                host = _host(model, config, steps, repeat, compiled, Path(tmp) / f"host-{mode}-{config}", timeout)
                 ratios = [j[config] / j["ulysses"] for j in jobs]
                 rows[config][mode] = {"step_s": statistics.median(j[config] for j in jobs), "step_ratio": statistics.median(ratios),
-                                      "step_ratios": ratios, **host}
+                                      "step_ratios": ratios, **_medians([h[config] for h in hosts])}
+                if not compiled:
+                    vs_stock = [h[config]["host_s_per_layer"] / h["ulysses"]["host_s_per_layer"] for h in hosts]
+                    rows[config][mode].update(host_layer_vs_stock=statistics.median(vs_stock), host_layer_vs_stock_rounds=vs_stock)
     return {"model": model, "steps": steps, "repeat": repeat, "rounds": rounds, "targets": TARGETS, "configs": list(rows.values())}
+
+
+def _medians(rounds: list[dict]) -> dict:
+    """Each figure of :func:`_host`'s, the median over ``rounds``; its host time per layer of each round beside."""
+    return {**{key: statistics.median(r[key] for r in rounds) for key in rounds[0]},
+            "host_s_per_layer_rounds": [r["host_s_per_layer"] for r in rounds]}
 
 
 def print_report(report: dict) -> None:
     print(f"cocodiff bench host: {report['model']}, Ulysses 2 on loopback (topology 2x1), {report['steps']} steps, "
           f"median of {report['repeat']} calls, of {report['rounds']} jobs; host time with the batches taken out")
-    print(f"{'configuration':<24} {'mode':<9} {'step ms':>8} {'vs stock':>9} {'us/exchange':>12} {'us/layer':>9} {'launches':>9}")
+    print(f"{'configuration':<24} {'mode':<9} {'step ms':>8} {'vs stock':>9} {'us/exchange':>12} {'us/layer':>9} "
+          f"{'vs stock':>9} {'launches':>9}")
     for row in report["configs"]:
         for mode in MODES:
             m = row.get(mode)
             if m is None:
                 continue
-            host = (f"{m['host_s_per_exchange'] * 1e6:>12.1f} {m['host_s_per_layer'] * 1e6:>9.1f} {m['kernel_launches_per_layer']:>9.2f}"
-                    if "host_s_per_exchange" in m else f"{'-':>12} {'-':>9} {'-':>9}")
+            vs_stock = f"{m['host_layer_vs_stock']:>8.2f}x" if "host_layer_vs_stock" in m else f"{'-':>9}"
+            host = (f"{m['host_s_per_exchange'] * 1e6:>12.1f} {m['host_s_per_layer'] * 1e6:>9.1f} {vs_stock} {m['kernel_launches_per_layer']:>9.2f}"
+                    if "host_s_per_exchange" in m else f"{'-':>12} {'-':>9} {'-':>9} {'-':>9}")
             print(f"{row['name']:<24} {mode:<9} {m['step_s'] * 1e3:>8.2f} {m['step_ratio']:>8.2f}x {host}")
     t = report["targets"]
     print(f"targets: <= {t['host_s_per_exchange'] * 1e6:.0f} us per exact exchange, <= "
@@ -138,7 +155,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="cocodiff/tiny-flux", help="an xdit model name (device work should be negligible)")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     p.add_argument("--repeat", type=int, default=DEFAULT_REPEAT, help="timed pipeline calls per configuration")
-    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="jobs timing every configuration's steps (medians over them)")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                   help="jobs timing every configuration's steps, and rounds of host-time jobs (medians over them)")
     p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both, comma-separated")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per torchrun job")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
