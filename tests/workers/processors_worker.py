@@ -229,7 +229,7 @@ def case_hunyuan_video_rear_text_compiled() -> None:
     compiled stock does not, and gives compiled stock's output."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from xfuser.core.distributed import get_sequence_parallel_world_size
+    from xfuser.core.distributed import get_runtime_state, get_sequence_parallel_world_size
 
     from cocodiff_xfuser import commstats, compat
     from cocodiff_xfuser.platform import detect
@@ -255,6 +255,7 @@ def case_hunyuan_video_rear_text_compiled() -> None:
         check((ran > 0) == v_first, f"compiled hunyuan_video: {ran} V-First calls")
     compat.use_switches(True, False, not detect().is_cuda)  # every patch checks at run time again, as before
     use_backend(False)
+    check(not get_runtime_state().split_text_embed_in_sp, "the text was split: the joint path did not run")
     check(breaks[1] <= breaks[0], f"compiled hunyuan_video: V-First's graph breaks {breaks[1] - breaks[0]}")
     stock, ours = outputs
     check(same_bits(stock, ours), f"compiled hunyuan_video: V-First differs from stock, max abs diff {(stock - ours).abs().max()}")
