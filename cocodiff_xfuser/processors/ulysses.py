@@ -458,7 +458,7 @@ def fallback_reason(
     (its loop over blocks cannot resume), so only a fall-back breaks it, at the layer's entry.
     """
     if torch.compiler.is_compiling() and _v_first_in_graph(processor, extra):
-        return _stock_step(processor, padding.tokens_padded())
+        return _stock_step(processor)
     return _decide(processor, extra, inputs)
 
 
@@ -470,12 +470,13 @@ def _v_first_in_graph(processor: object, extra: Callable[[], str | None] | None)
             and _local_reason(extra) is None)
 
 
-def _stock_step(processor: object, padded: bool) -> str | None:
-    """Auto's reason to hand this call to xfuser's processors where its step runs them and nothing
-    ``padded`` needs cocodiff's (the clock counts the call), else None. The same on every rank: the
-    step and agreed times decide it."""
+def _stock_step(processor: object) -> str | None:
+    """Auto's reason to hand this call to xfuser's processors where its step runs them (the clock
+    counts the call), else None: also where the running forward padded tokens, which only cocodiff's
+    split (padded heads leave the trial without stock steps: :func:`.families._attach_v_major`).
+    The same on every rank: the step, agreed times and shapes decide it."""
     clock = getattr(processor, "clock", None)
-    return vmajor_clock.STOCK_STEP if clock is not None and clock.to_stock and not padded else None
+    return vmajor_clock.STOCK_STEP if clock is not None and clock.to_stock and not padding.tokens_padded() else None
 
 
 @torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host
@@ -494,7 +495,7 @@ def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: S
         anyone = any_rank(local is not None, exchanger.group, device)
         agreed[key] = local if local is not None or not anyone else "a fall-back on another rank"
     if agreed[key] is None:
-        return _stock_step(processor, padding.required() is not None)
+        return _stock_step(processor)
     return _counted(agreed[key])
 
 

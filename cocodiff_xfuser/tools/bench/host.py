@@ -16,8 +16,9 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
   exchanges move no data, byte messages echo what the rank sends its peer (or arrive as zeros), the
   time that takes is not counted, and the images mean nothing; the fair flat exchange is forced, so
   that every exchange is such a batch): the time the timed calls spent in cocodiff's entry points,
-  outermost calls only: the V-First processors' decision at a layer's entry, V's start, Q/K's exchange with V's wait, the
-  output exchange, and, under stock's processors, the routed exchange (``Exchanger.all_to_all``).
+  outermost calls only: the V-First processors' decision at a layer's entry, V's start, Q/K's
+  exchange with V's wait, the output exchange, and, under stock's processors, the routed exchange
+  (``Exchanger.all_to_all``).
   ``host_s_per_exchange``: the exchange entry points' time over the exchanges that ran;
   ``host_s_per_layer``: all of it over the attention layer calls (V-First calls, or with stock's
   processors one per input and output exchange pair). V-Major takes the path a GPU takes, its
