@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, padding
+from cocodiff_xfuser import commstats, compat, operators, padding
 from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
@@ -251,8 +251,6 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if compat.views_another(t) else t
 
 
-# cudagraph_unsafe: the operators run host code and collectives, which a CUDA graph's replay would skip.
-@torch.library.custom_op("cocodiff::v_first_start", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _start_operator(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
     """V's input exchange in a compiled graph, started through the job's exchanger (the one the
     processors were given), under the V-Major layer numbered ``layer`` (-1: none); the token it
@@ -264,9 +262,11 @@ def _start_operator(value: torch.Tensor, label: str, layer: int) -> torch.Tensor
     return value.new_empty(0)
 
 
-@_start_operator.register_fake
-def _(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
+def _start_fake(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
     return value.new_empty(0)
+
+
+operators.define("v_first_start", _start_operator, _start_fake)
 
 
 def _take_in_flight() -> PendingExchange:
@@ -277,7 +277,6 @@ def _take_in_flight() -> PendingExchange:
     return pending
 
 
-@torch.library.custom_op("cocodiff::v_first_inputs", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _inputs_operator(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q's and K's exchanges and the wait for V (:func:`exchange_inputs`) in a compiled graph: head-sharded Q, K, V."""
     global _covering
@@ -285,8 +284,7 @@ def _inputs_operator(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor
     return tuple(_owned(t.contiguous()) for t in (query, key, value))
 
 
-@_inputs_operator.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs_fake(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     world = job.exchanger().world_size
     b, h, s, d = query.shape  # the query may carry joint tokens that K and V do not
     local_heads = padding.padded(h, world) // world
@@ -294,7 +292,9 @@ def _(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torc
     return query.new_empty(b, local_heads, world * s, d), key.new_empty(b, local_heads, keys, d), key.new_empty(b, local_heads, keys, d)
 
 
-@torch.library.custom_op("cocodiff::v_first_output", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+operators.define("v_first_inputs", _inputs_operator, _inputs_fake)
+
+
 def _output_operator(out: torch.Tensor, heads: int) -> torch.Tensor:
     """The output exchange (:func:`output_exchange`, covered by the layer's V-Major step) in a compiled graph."""
     global _covering
@@ -302,10 +302,12 @@ def _output_operator(out: torch.Tensor, heads: int) -> torch.Tensor:
     return _owned(output_exchange(job.exchanger(), out, step, heads).contiguous())
 
 
-@_output_operator.register_fake
-def _(out: torch.Tensor, heads: int) -> torch.Tensor:
+def _output_fake(out: torch.Tensor, heads: int) -> torch.Tensor:
     b, _, s, d = out.shape
     return out.new_empty(b, heads, s // job.exchanger().world_size, d)
+
+
+operators.define("v_first_output", _output_operator, _output_fake)
 
 
 def attention(

@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, padding
+from cocodiff_xfuser import commstats, compat, operators, padding
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import calls, fault_policy, flags, job, padded
@@ -102,8 +102,6 @@ def _routed_all_to_all(original):
     return _sdpa_all_to_all_single
 
 
-# cudagraph_unsafe: the operators run host code and collectives, which a CUDA graph's replay would skip.
-@torch.library.custom_op("cocodiff::ulysses_all_to_all", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _compiled_all_to_all(x: torch.Tensor) -> torch.Tensor:
     """xfuser's Ulysses exchange in a compiled cocodiff job (its graphs hold this operator, and a
     compiled stock job runs xfuser's own function): the job's exchanger, a new contiguous tensor."""
@@ -111,9 +109,11 @@ def _compiled_all_to_all(x: torch.Tensor) -> torch.Tensor:
     return out.clone() if out.data_ptr() == x.data_ptr() else out
 
 
-@_compiled_all_to_all.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _compiled_all_to_all_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+operators.define("ulysses_all_to_all", _compiled_all_to_all, _compiled_all_to_all_fake)
 
 
 def route_all_to_all(usp: types.ModuleType) -> None:
