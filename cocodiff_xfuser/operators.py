@@ -20,9 +20,10 @@ _LIBRARY = torch.library.Library("cocodiff", "FRAGMENT")
 _TAGS = (torch.Tag.cudagraph_unsafe,)
 
 
-def define(name: str, kernel: Callable, fake: Callable) -> None:
+def define(name: str, kernel: Callable, fake: Callable, mutates: tuple[str, ...] = ()) -> None:
     """``torch.ops.cocodiff.<name>``: ``kernel`` when a graph runs, ``fake`` when one is traced (the
-    schema from ``kernel``'s annotations, as ``custom_op`` infers it)."""
-    _LIBRARY.define(name + torch.library.infer_schema(kernel, mutates_args=()), tags=_TAGS)
+    schema from ``kernel``'s annotations, as ``custom_op`` infers it; ``mutates``: the arguments it
+    declares written)."""
+    _LIBRARY.define(name + torch.library.infer_schema(kernel, mutates_args=mutates), tags=_TAGS)
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"cocodiff::{name}", fake, lib=_LIBRARY)

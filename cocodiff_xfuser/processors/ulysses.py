@@ -212,29 +212,32 @@ class _Covered:
 
 def start_input_exchange(
     exchanger: Exchanger,
-    *tensors: torch.Tensor,
-    label: str = "qk",
+    value: torch.Tensor,
+    *,
+    label: str,
+    ahead_of: tuple[torch.Tensor | None, ...],
     layer: policy.Layer | None = None,
-    v_major: policy.Step | None = None,
-    carrying: PendingExchange | None = None,
 ) -> PendingExchange | torch.Tensor:
-    """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors through ``exchanger``, asynchronously
-    (a V-First call's V: counted as the call).
+    """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``exchanger``,
+    asynchronously (counted as the call); ``layer``: its V-Major layer.
 
-    ``layer``: V's exchange of a layer under V-Major; ``v_major``: Q/K's, following V's decision;
-    ``carrying``: V's exchange, which rides with these where it waits to (else it starts now).
     Traced by torch.compile, V's exchange is an operator of the graph, which returns a token for
-    :func:`attention` (the exchange in flight waits in the process's slot).
+    :func:`attention` (the exchange in flight waits in the process's slot). ``ahead_of``: the
+    tensors Q and K are computed from (one, or two with None for a missing second). The operator
+    declares them written, which they are not, so that the graph computes Q and K after it: else
+    the compiler's scheduler may move V's projection and exchange next to Q/K's exchange (it
+    orders for peak memory), and nothing would hide V's exchange. Eagerly the program's order holds.
     """
-    if torch.compiler.is_compiling() and len(tensors) == 1 and v_major is None and carrying is None:
-        return torch.ops.cocodiff.v_first_start(tensors[0], label, -1 if layer is None else layer.number)
-    return _start_input_exchange(exchanger, *tensors, label=label, layer=layer, v_major=v_major, carrying=carrying)
+    if torch.compiler.is_compiling():
+        first, second = (*ahead_of, None)[:2]
+        return torch.ops.cocodiff.v_first_start(value, label, -1 if layer is None else layer.number, first, second)
+    return _start_input_exchange(exchanger, value, label=label, layer=layer)
 
 
 @torch.compiler.disable
-def _start_input_exchange(exchanger, *tensors, label, layer, v_major, carrying) -> PendingExchange:
+def _start_input_exchange(exchanger, value, *, label, layer) -> PendingExchange:
     commstats.count_v_first_call()  # V's exchange: one per V-First call
-    return PendingExchange(exchanger, tensors, label, layer, v_major, carrying)
+    return PendingExchange(exchanger, (value,), label, layer)
 
 
 # A compiled layer's exchanges are operators, which hold no Python objects: V's exchange started by
@@ -251,10 +254,11 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if compat.views_another(t) else t
 
 
-def _start_operator(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
+def _start_operator(value: torch.Tensor, label: str, layer: int, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
     """V's input exchange in a compiled graph, started through the job's exchanger (the one the
     processors were given), under the V-Major layer numbered ``layer`` (-1: none); the token it
-    returns orders Q/K's operator after it."""
+    returns orders Q/K's operator after it. ``first`` and ``second`` are left as they are (declared
+    written: :func:`start_input_exchange`'s ``ahead_of``)."""
     global _in_flight
     commstats.count_v_first_call()
     _in_flight = PendingExchange(job.exchanger(), (value,), label, None if layer < 0 else policy.numbered(layer))
@@ -262,11 +266,11 @@ def _start_operator(value: torch.Tensor, label: str, layer: int) -> torch.Tensor
     return value.new_empty(0)
 
 
-def _start_fake(value: torch.Tensor, label: str, layer: int) -> torch.Tensor:
+def _start_fake(value: torch.Tensor, label: str, layer: int, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
     return value.new_empty(0)
 
 
-operators.define("v_first_start", _start_operator, _start_fake)
+operators.define("v_first_start", _start_operator, _start_fake, mutates=("first", "second"))
 
 
 def _take_in_flight() -> PendingExchange:

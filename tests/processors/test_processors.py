@@ -168,7 +168,8 @@ def test_compiled_joint_path_keeps_one_graph_and_stocks_bits(reports):
     """HunyuanVideo's whole-text (``"rear"``) joint attention compiled, Ulysses 2: V-First's exchanges
     are operators of the graph (the joint tokens' layout traced around them), so it breaks the graph
     nowhere compiled stock does not, and gives compiled stock's output bitwise (SD3 at a text length
-    the degree does not divide takes this path)."""
+    the degree does not divide takes this path); the graph projects every Q and K while V's exchange
+    is in flight, as the eager layer does."""
     assert "CASE hunyuan_video_rear_text_compiled ok" in reports["u2"], reports["u2"]
 
 

@@ -12,6 +12,7 @@ actually have run (its V exchanges are counted). Rank 0 prints ``CASE <name> ok`
 from __future__ import annotations
 
 import argparse
+import re
 import collections
 import logging
 
@@ -226,9 +227,11 @@ def case_hunyuan_video_rear_text() -> None:
 def case_hunyuan_video_rear_text_compiled() -> None:
     """The whole-text joint path under ``torch.compile``: V-First's exchanges are operators of the
     graph (the joint tokens' layout traced around them), so V-First breaks the graph nowhere that
-    compiled stock does not, and gives compiled stock's output."""
+    compiled stock does not, and gives compiled stock's output; Q and K are projected while V's
+    exchange is in flight."""
     import torch._dynamo
     from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
     from xfuser.core.distributed import get_runtime_state, get_sequence_parallel_world_size
 
     from cocodiff_xfuser import commstats, compat
@@ -249,8 +252,14 @@ def case_hunyuan_video_rear_text_compiled() -> None:
             check(families.install(model, job.exchanger()) > 0, "compiled hunyuan_video: no V-First processor installed")
         calls = commstats.ran()["v_first_calls"]
         with torch.no_grad():
-            outputs.append(torch.compile(model)(**inputs)[0])
+            out, code = run_and_get_code(torch.compile(model), **inputs)
+        outputs.append(out[0])
         breaks.append(set(counters["graph_break"]))
+        if v_first:
+            # All of them: the dual-stream layer's four (the latent's and the text's Q and K), the
+            # single-stream layer's two (else the graph's scheduler moved V's start towards Q/K's exchange).
+            in_flight = _projections_in_flight(code)
+            check(in_flight == [4, 2], f"compiled hunyuan_video: Q/K projections while V's exchange is in flight: {in_flight}, not [4, 2]")
         ran = commstats.ran()["v_first_calls"] - calls
         check((ran > 0) == v_first, f"compiled hunyuan_video: {ran} V-First calls")
     compat.use_switches(True, False, not detect().is_cuda)  # every patch checks at run time again, as before
@@ -259,6 +268,13 @@ def case_hunyuan_video_rear_text_compiled() -> None:
     check(breaks[1] <= breaks[0], f"compiled hunyuan_video: V-First's graph breaks {breaks[1] - breaks[0]}")
     stock, ours = outputs
     check(same_bits(stock, ours), f"compiled hunyuan_video: V-First differs from stock, max abs diff {(stock - ours).abs().max()}")
+
+
+def _projections_in_flight(code: list[str]) -> list[int]:
+    """Per V-First layer of the compiled ``code``, the matrix products it runs between the start of
+    V's exchange and Q/K's exchange: where Q and K are projected while V's exchange is in flight."""
+    return [len(re.findall(r"\b(?:addmm|mm|bmm|_linear_pointwise|linear)\(", part.split("cocodiff.v_first_inputs.default(")[0]))
+            for source in code for part in source.split("cocodiff.v_first_start.default(")[1:]]
 
 
 # ------------------------------------------------------------------------- one exchange's reach
