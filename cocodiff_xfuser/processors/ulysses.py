@@ -225,8 +225,9 @@ def start_input_exchange(
     :func:`attention` (the exchange in flight waits in the process's slot). ``ahead_of``: the
     tensors Q and K are computed from (one, or two with None for a missing second). The operator
     declares them written, which they are not, so that the graph computes Q and K after it: else
-    the compiler's scheduler may move V's projection and exchange next to Q/K's exchange (it
-    orders for peak memory), and nothing would hide V's exchange. Eagerly the program's order holds.
+    inductor's scheduler may move V's projection and exchange next to Q/K's exchange (its reorders
+    for locality and for peak memory, on by default, do), and nothing would hide V's exchange.
+    Eagerly the program's order holds.
     """
     if torch.compiler.is_compiling():
         first, second = (*ahead_of, None)[:2]
