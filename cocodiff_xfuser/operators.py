@@ -1,12 +1,12 @@
 """cocodiff's operators: how its exchanges enter a compiled graph without breaking it.
 
-Each is an opaque operator of the ``cocodiff`` namespace that runs the exchange's host code when
-the graph runs, with a fake that gives its outputs' shapes when the graph is traced. They are
-defined through torch.library's registration API rather than ``torch.library.custom_op``, whose
-Python wrapper (an autograd layer and aliasing checks around every call) costs several times the
-operator's own dispatch per call (docs/benchmarks.md, "Host time"): host time that every compiled
-layer would carry. The operators serve inference only (no autograd formula, as before) and their kernels
-return fresh tensors that alias neither their inputs nor each other, which the wrapper checked.
+Each is an opaque operator of the ``cocodiff`` namespace that runs the exchange's host code when the
+graph runs, with a fake that gives its outputs' shapes when the graph is traced. They are defined
+through torch.library's registration API rather than ``torch.library.custom_op``, whose Python
+wrapper (an autograd layer and aliasing checks around every call) costs several times the operator's
+own dispatch per call (docs/benchmarks.md, "Host time"): host time that every compiled layer would
+carry. The operators serve inference only (no autograd formula, as before) and their kernels return
+fresh tensors that alias neither their inputs nor each other, which the wrapper checked.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def _image_only_v_first(processor: ulysses.VFirst, attn, hidden_states: torch.Te
     head_dim = attn.to_k.out_features // attn.heads
     value = attn.to_v(hidden_states).view(batch, -1, attn.heads, head_dim)
     pending_v = ulysses.start_input_exchange(processor.exchanger, value.transpose(1, 2), label="sd3.image.v", layer=processor.v_major,
-                                                 ahead_of=(hidden_states,))
+                                             ahead_of=(hidden_states,))
     query = attn.to_q(hidden_states).view(batch, -1, attn.heads, head_dim)
     key = attn.to_k(hidden_states).view(batch, -1, attn.heads, head_dim)
     query, key = ulysses.norm_qk(attn, query, key)
