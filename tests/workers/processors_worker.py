@@ -12,7 +12,6 @@ actually have run (its V exchanges are counted). Rank 0 prints ``CASE <name> ok`
 from __future__ import annotations
 
 import argparse
-import re
 import collections
 import logging
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser.tools import same_bits
+from inductor_code import projections_in_flight  # beside this script
 
 RANK = 0
 V_EXCHANGES: collections.Counter = collections.Counter()
@@ -60,10 +60,9 @@ def setup(ulysses: int, ring: int) -> None:
 
     start = core.start_input_exchange
 
-    def counting(*tensors, label="qk", **v_major):
-        if label.endswith(".v"):
-            V_EXCHANGES[label] += 1
-        return start(*tensors, label=label, **v_major)
+    def counting(*args, label, **kwargs):
+        V_EXCHANGES[label] += 1
+        return start(*args, label=label, **kwargs)
 
     core.start_input_exchange = counting
 
@@ -258,8 +257,8 @@ def case_hunyuan_video_rear_text_compiled() -> None:
         if v_first:
             # All of them: the dual-stream layer's four (the latent's and the text's Q and K), the
             # single-stream layer's two (else the graph's scheduler moved V's start towards Q/K's exchange).
-            in_flight = _projections_in_flight(code)
-            check(in_flight == [4, 2], f"compiled hunyuan_video: Q/K projections while V's exchange is in flight: {in_flight}, not [4, 2]")
+            in_flight, expected = projections_in_flight(code), {("hunyuan_video.dual.v", 4), ("hunyuan_video.single.v", 2)}
+            check(in_flight == expected, f"compiled hunyuan_video: Q/K projections while V's exchange is in flight: {in_flight}")
         ran = commstats.ran()["v_first_calls"] - calls
         check((ran > 0) == v_first, f"compiled hunyuan_video: {ran} V-First calls")
     compat.use_switches(True, False, not detect().is_cuda)  # every patch checks at run time again, as before
@@ -268,13 +267,6 @@ def case_hunyuan_video_rear_text_compiled() -> None:
     check(breaks[1] <= breaks[0], f"compiled hunyuan_video: V-First's graph breaks {breaks[1] - breaks[0]}")
     stock, ours = outputs
     check(same_bits(stock, ours), f"compiled hunyuan_video: V-First differs from stock, max abs diff {(stock - ours).abs().max()}")
-
-
-def _projections_in_flight(code: list[str]) -> list[int]:
-    """Per V-First layer of the compiled ``code``, the matrix products it runs between the start of
-    V's exchange and Q/K's exchange: where Q and K are projected while V's exchange is in flight."""
-    return [len(re.findall(r"\b(?:addmm|mm|bmm|_linear_pointwise|linear)\(", part.split("cocodiff.v_first_inputs.default(")[0]))
-            for source in code for part in source.split("cocodiff.v_first_start.default(")[1:]]
 
 
 # ------------------------------------------------------------------------- one exchange's reach
