@@ -24,7 +24,6 @@ from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run
-from workers.inductor_code import projections_in_flight
 
 pytestmark = pytest.mark.distributed
 
@@ -68,9 +67,7 @@ def _generate(job: str, out: Path) -> Path:
     (out / "cases.json").write_text(json.dumps(CASES))
     (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR, "auto": V_MAJOR_AUTO, "fp8": FP8, **POLICIES}))
     argv = run.argv(backends, out) + ["--cases", str(out / "cases.json"), "--variants", str(out / "variants.json")]
-    # The job's own inductor cache: the code generated for its graphs, which a test reads.
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(out / "inductor")}
-    (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, env=env, timeout=900).stderr)
+    (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, timeout=900).stderr)
     return out
 
 
@@ -155,19 +152,6 @@ def test_compiled_v_major_gives_the_eager_images(generated):
     compiled, eager = _images(generated("flux-u2"), "flux-u2", "vmajor"), _images(eager_out, "flux-u2", "vmajor")
     psnr = [10 * np.log10(1 / np.mean((a.astype(np.float64) - b) ** 2)) for a, b in zip(compiled, eager)]
     assert min(psnr) >= 80, psnr
-
-
-#: Per V-First layer kind: its V exchange's label and the Q/K projections it runs (the image's and the text's).
-IN_FLIGHT = {"flux-u2": {("flux.double.v", 4), ("flux.single.v", 2)}, "wan-u2": {("wan.self.v", 2)}}
-
-
-@pytest.mark.parametrize("job", IN_FLIGHT)
-def test_compiled_v_first_projects_q_and_k_while_v_is_in_flight(generated, job):
-    # In the code inductor generated for every graph of the job (every V-First backend's), each layer
-    # projects all of its Q and K between the start of V's exchange and Q/K's exchange: else the
-    # graph's scheduler moved V's projection and start next to Q/K's exchange, and nothing hides it.
-    sources = [p.read_text() for p in (generated(job) / "inductor").rglob("*.py")]
-    assert projections_in_flight(sources) == IN_FLIGHT[job]
 
 
 @pytest.mark.unit

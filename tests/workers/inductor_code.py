@@ -1,5 +1,5 @@
 """What the code inductor generated for a compiled model runs, read from its source: the order of a
-V-First layer's work around its exchanges (shared by the tests and their workers)."""
+V-First layer's work around its exchanges (the workers' compiled cases)."""
 
 from __future__ import annotations
 
