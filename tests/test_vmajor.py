@@ -383,36 +383,72 @@ def test_ring_peers_hold_what_the_sender_references():
     assert (sender.reference - x1)[:, [1, 4]].norm() < 0.1 * (x1 - x0)[:, [1, 4]].norm()  # fp8's rounding is left
 
 
+@pytest.mark.parametrize("residual", [torch.int4, torch.float8_e4m3fn, None])
+@pytest.mark.parametrize("k", [0, 6])
+def test_ring_steps_of_no_token_or_every_token_travel_without_a_mask(residual, k):
+    """A sparse ring step that selects none of its 6 tokens (threshold or budget, where nothing
+    changed enough) or all of them sends no mask; the receiver's copy stays as it was, or takes
+    every token, either way exactly the sender's reference."""
+    from cocodiff_xfuser.comm import residuals, sparse, transport
+    from cocodiff_xfuser.vmajor import ring
+
+    torch.manual_seed(0)
+    x0 = torch.randn(2, 6, 4)  # [K|V, tokens, row]
+    sender, receiver = ring._Caches(), ring._Caches()
+    ring.RingStep(sender, x0.clone(), (1,), None, None, None)
+    ring.RingStep(receiver, torch.zeros_like(x0), (1,), None, None, None).finish(torch.stack([torch.zeros(48), x0.flatten()]), {})
+
+    x1 = x0 + 0.1 * torch.randn_like(x0)
+    selection = sparse.Selection.fixed(torch.arange(k), 2)
+    sent = residuals.encode(x1, sender.reference, selection.active, 1, residual)
+    step = ring.RingStep(sender, x1, (0,), selection, sent, residual)
+    message = [transport.comm_view(p).view(-1).view(torch.uint8).clone() for p in step.remote.pieces]
+    assert [len(m) for m in message] == list(step.remote.sizes[0]) and len(message) == 1  # the rows alone
+    got = ring.RingStep(receiver, torch.zeros_like(x0), (1,), selection, None, residual).finish(torch.zeros(2, 48), {1: message})
+    assert torch.equal(receiver.held[1], sender.reference) and torch.equal(got[1].view(2, 6, 4), sender.reference)
+    assert torch.equal(sender.reference, x0) == (k == 0)
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("policies", [
-    ("threshold", "budget"),  # the two that agree counts (over the Ulysses group) and shares (over the world)
-    pytest.param(("top-k", "schedule"), marks=pytest.mark.slow),  # counts fixed by the settings
-])
-def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies):
-    """U4 x R2 over 4x2: the Ulysses group and the ring both cross nodes. Every policy runs V-Major
-    on both (the threshold's counts are agreed over the Ulysses group that reads them, not over the
-    clock's world), under a device backend's rules, every rank launching the same collectives."""
-    variants = {p: {"sp_backend": "cocodiff", "cocodiff_v_major": "on", "cocodiff_v_major_policy": p} for p in policies}
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("policies, residual, steps", [
+    # The two whose counts the data decides, agreed over the world (the ring's peers sit in other
+    # Ulysses groups): a step may select no token. At 8 steps threshold's ring selected none, and
+    # its receivers took the empty message for every token.
+    (("threshold", "budget"), "int4", (8,)),
+    pytest.param(POLICIES, "int4", (4, 8, 16), marks=pytest.mark.slow),
+    pytest.param(POLICIES, "float8_e4m3fn", (4, 8, 16), marks=pytest.mark.slow),
+], ids=["threshold+budget-int4-8", "every-policy-int4", "every-policy-fp8"])
+def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies, residual, steps):
+    """U4 x R2 over 4x2 (four nodes of two: on 2x4 the Ulysses groups stay in a node): the Ulysses
+    groups and the ring both cross nodes, so V-Major runs on both, under every policy given, at each
+    number of steps (a variant each, one job), under a device backend's rules, every rank launching
+    the same collectives."""
+    cells = {f"{p}-{residual}-{n}": (p, n) for p in policies for n in steps}
+    variants = {name: {"sp_backend": "cocodiff", "cocodiff_v_major": "on", "cocodiff_v_major_policy": p,
+                       "cocodiff_v_major_residual_dtype": residual, "num_inference_steps": n}
+                for name, (p, n) in cells.items()}
     (tmp_path / "variants.json").write_text(json.dumps(variants))
-    # 4 steps: two of warm-up, the budget's first measurement, then a sparse step for every policy.
-    run = Run(model="tiny-flux", ulysses_degree=4, ring_degree=2, topology="4x2", steps=4, height=64, width=64)
-    argv = run.argv(policies, tmp_path) + ["--variants", str(tmp_path / "variants.json")]
-    launcher.torchrun(8, argv, env={DEVICE_SEMANTICS_ENV: "1"}, timeout=840)
-    for p in policies:
-        result = json.loads((output_dir(tmp_path, tiny_models.SPECS["tiny-flux"].model_id, p) / "result.json").read_text())
+    run = Run(model="tiny-flux", ulysses_degree=4, ring_degree=2, topology="4x2", height=64, width=64)
+    argv = run.argv(tuple(cells), tmp_path) + ["--variants", str(tmp_path / "variants.json")]
+    launcher.torchrun(8, argv, env={DEVICE_SEMANTICS_ENV: "1"}, timeout=1440)
+    for name, (_, n) in cells.items():
+        where = output_dir(tmp_path, tiny_models.SPECS["tiny-flux"].model_id, name)
+        result = json.loads((where / "result.json").read_text())
         ran = result["ran"]
+        assert len(ran["v_major"]["per_step"]) == n, (name, ran["v_major"])
+        assert np.isfinite(np.load(where / "images.npy")).all(), name
         # Each Ulysses group runs its own autotune decisions; the communicators they share (the ring's,
         # the world's) see one order on every rank.
         launches = result["launches"]
         for group in (launches[:4], launches[4:]):
-            assert all(sequence == group[0] for sequence in group[1:]), f"{p}: ranks of a Ulysses group launched apart"
+            assert all(sequence == group[0] for sequence in group[1:]), f"{name}: ranks of a Ulysses group launched apart"
         shared = [[op for op in sequence if op[0] in ("ring", "group of 8")] for sequence in launches]
-        assert shared[0] and all(sequence == shared[0] for sequence in shared[1:]), f"{p}: ranks launched apart on the ring"
-        assert not ran["fallbacks"], (p, ran)
-        assert ran["exchanges"].get("ring v-major", 0) > 0, (p, ran)
-        assert sum(n for a, n in ran["exchanges"].items() if a.startswith("v-major")) > 0, (p, ran)
-        assert ran["slow_link_bytes"] < ran["slow_link_bytes_exact"], (p, ran)
+        assert shared[0] and all(sequence == shared[0] for sequence in shared[1:]), f"{name}: ranks launched apart on the ring"
+        assert not ran["fallbacks"], (name, ran)
+        assert ran["exchanges"].get("ring v-major", 0) > 0, (name, ran)
+        assert sum(k for a, k in ran["exchanges"].items() if a.startswith("v-major")) > 0 and ran["v_major_sparse"], (name, ran)
+        assert ran["slow_link_bytes"] < ran["slow_link_bytes_exact"], (name, ran)
 
 
 @pytest.mark.distributed

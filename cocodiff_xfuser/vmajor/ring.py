@@ -106,8 +106,8 @@ class RingLayer:
 class RingStep:
     """One ring layer call's exchange: exact (``selection`` None: every peer gets ``x``, and the
     copies become what was gathered) or sparse (the peers on other nodes, ``peers``, get ``sent``:
-    the selected tokens as residuals in ``residual`` or as values, after their mask where not
-    every token)."""
+    the selected tokens as residuals in ``residual`` or as values, after their mask where some
+    tokens but not all travel)."""
 
     def __init__(self, caches: _Caches, x: torch.Tensor, peers: tuple[int, ...], selection: sparse.Selection | None,
                  sent: torch.Tensor | None, residual: torch.dtype | None) -> None:
@@ -141,9 +141,13 @@ class RingStep:
         dtype = {None: self._x.dtype, torch.int4: torch.uint8}.get(self._residual, self._residual)
         width = residuals.row_bytes(shape[2], self._residual) if self._residual == torch.int4 else shape[2]
         for j, pieces in received.items():
-            rows = sparse.rows_of(pieces[0], shape[1], self._selection.counts[j]) if len(pieces) == 2 else None
-            payload = sparse.view_bytes(pieces[-1], dtype).view(2, self._selection.counts[j], width)
-            residuals.apply(held[j], payload, rows, 1, self._residual is not None)
+            # The peer's count, not the message, says which tokens came: no mask travels with none
+            # of them (an empty message, the copy stands) nor with every one (all of them, in order).
+            k = self._selection.counts[j]
+            if k:
+                rows = None if k == shape[1] else sparse.rows_of(pieces[0], shape[1], k)
+                payload = sparse.view_bytes(pieces[-1], dtype).view(2, k, width)
+                residuals.apply(held[j], payload, rows, 1, self._residual is not None)
             out[j].copy_(held[j].view(-1))
         return out
 
