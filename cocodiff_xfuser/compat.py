@@ -63,12 +63,24 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # backend (tools/generate.py).
     ("torch._dynamo.utils", "counters"),
     ("torch._dynamo", "reset"),
+    # Where inductor hands each graph's generated code to tests (tools/generate.py keeps it per backend).
+    ("torch._inductor.graph", "GraphLowering"),
     # The CPU flash kernel that returns the log-sum-exp ring attention merges with (tests on CPU).
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
     # Which tensor a view views: a compiled graph's operator returns its own memory, never a view of
     # memory cocodiff keeps (a graph may reuse an operator's output as scratch memory).
     ("torch.Tensor", "_base"),
+    # What dynamo runs when it traces a call instead of tracing into it, its result a constant of the
+    # graph (:func:`trace_time`).
+    ("torch._dynamo", "assume_constant_result"),
 )
+
+
+def trace_time(fn: Callable) -> Callable:
+    """``fn``, run by dynamo when it traces a call of it (its arguments constants or objects, which
+    it guards by identity) and its result a constant of the graph: host work that a compiled graph
+    decides once, when it is traced, and never runs. Called eagerly, ``fn`` runs as it is."""
+    return torch_private("torch._dynamo", "assume_constant_result")(fn)
 
 
 def views_another(t: Any) -> bool:

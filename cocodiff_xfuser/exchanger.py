@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -23,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import compress, faults, ring, sparse, transport
+from cocodiff_xfuser.comm import compress, faults, functional, ring, sparse, timing, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree
-from cocodiff_xfuser.comm.autotune import AutoAllToAll, DecisionsFile, Registry
-from cocodiff_xfuser.comm.flat import AllToAllHandle
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, DecisionsFile, Registry, pick, sampling
+from cocodiff_xfuser.comm.flat import AllToAllHandle, wait_collective
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.layout import Layout
 from cocodiff_xfuser.settings import Options
@@ -107,6 +108,10 @@ class Exchanger:
         groups = [list(g) for g in self.layout.ulysses_groups]
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
+        # The groups a traced exchange names: the Ulysses group's, and its levels' (TAPA's) where it has them.
+        plan = tapa.plan(group)
+        self._level_groups = () if plan is None else tuple(g.group_name for g in plan.level_groups)
+        self._graph_routes: dict[tuple, tuple[tuple[int, ...], tuple[str, ...]]] = {}
         # V-Major on the ring of the transformer that runs (:class:`~cocodiff_xfuser.vmajor.ring.Ring`,
         # set as each transformer call starts), or None: the ring's K/V are gathered exactly.
         self.ring_v_major = None
@@ -304,6 +309,49 @@ class Exchanger:
         route, flat, unpack = self._flat_route(x, label)
         out = self.finish(lambda: route.start(flat).wait(), label, route.algorithm, route.where)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
+
+    def graph_route(self, label: str, shape: tuple[int, ...], dtype: str, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The route of a traced exchange (:mod:`cocodiff_xfuser.ulysses_collectives`) of a tensor of
+        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them), counted as one exchange of
+        the graph: ``(levels, group names)``, one group for the flat exchange, one per level for TAPA's.
+        Decided when the graph is traced, once per size (collective where ``--cocodiff-a2a auto``
+        measures): flat unless TAPA is asked for or measures faster, each measured as the graph runs it."""
+        torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+        key = (shape, torch_dtype, device)
+        route = self._graph_routes.get(key)
+        if route is None:
+            new = lambda: self._new_graph_route(torch.zeros(shape, dtype=torch_dtype, device=device))  # noqa: E731
+            route = self._graph_routes[key] = self.finish(new, label, "autotune")
+        levels, _ = route
+        nbytes = int(math.prod(shape) * transport.wire_itemsize(torch_dtype) * self.layout.slow_share)
+        commstats.traced("count_exchange", "hierarchical" if levels else "flat", label, nbytes, nbytes)
+        return route
+
+    def _new_graph_route(self, probe: torch.Tensor) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        flat, tapa = ((), (self.group.group_name,)), (self.levels, self._level_groups)
+        a2a = self.options.a2a
+        reason = None
+        if a2a in ("flat-p2p", "flat-pxn"):
+            reason = "point-to-point messages cannot be traced by torch.compile"
+        elif a2a == "hierarchical" and not self.levels:
+            reason = "the group spans fewer than two topology levels"
+        if reason is not None:
+            commstats.count_fallback(f"--cocodiff-a2a {a2a}: {reason}")
+            logger.warning("cocodiff: --cocodiff-a2a %s: %s; using flat", a2a, reason)
+        if a2a == "hierarchical" and self.levels:
+            return tapa
+        if a2a != "auto" or not self.levels:
+            return flat
+        x = probe.view(self.world_size, -1)
+        pairs, burst = sampling(x.numel() * x.element_size(), self.autotune.reps)
+        ops = {"flat": lambda: wait_collective(functional.all_to_all(x, flat[1][0])),
+               "hierarchical": lambda: wait_collective(functional.levels_all_to_all(x, *tapa))}
+        times = timing.paired(ops, self.group, x.device, pairs, burst)
+        ratios = {k: [statistics.median(r), timing.median_upper_bound(r)] for k, r in timing.paired_ratios(times, "flat").items()}
+        chosen = pick(ratios, self.autotune.margin)
+        logger.info("cocodiff: traced all-to-all over %s of %s %s: %s (hierarchical at %.2fx flat's time)",
+                    self._group_desc, list(probe.shape), probe.dtype, chosen, ratios["hierarchical"][0])
+        return tapa if chosen == "hierarchical" else flat
 
     @property
     def ring_remote(self) -> tuple[int, ...]:

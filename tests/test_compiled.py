@@ -4,11 +4,12 @@ One torchrun job per layout runs every backend of it compiled (dynamo reset betw
 in a process of its own), two pipeline calls each, and records dynamo's counters after model set-up
 and after each call (``tools/generate.py``: frames converted, graph breaks by reason). A recompile
 converts a frame again, so "no recompile after the first call" is "as many frames after the
-second call as after the first". xfuser's own Ulysses exchange is one operator in cocodiff's graphs
-(no break), and so are V-First's exchanges (V-Major's too), decided in the graph, auto's steps
-included (a step's hand-off to stock is one bool the graphs guard: two of them, made in the first
-call); the only graph breaks cocodiff may add are the ring attention's and, under a ring, the V-First
-processors' exchange entry points (disabled for dynamo: their host work runs between graphs).
+second call as after the first". An exact layer's exchanges (xfuser's routed one, V-First's) are
+functional collectives of the graph, as stock's are, read in the code inductor generated; V-Major's
+and fp8's are operators of the graph (no break), decided in the graph, auto's steps included (a
+step's hand-off to stock is one bool the graphs guard: two of them, made in the first call); the only
+graph breaks cocodiff may add are the ring attention's and, under a ring, the V-First processors'
+exchange entry points (disabled for dynamo: their host work runs between graphs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.generate import output_dir
 from cocodiff_xfuser.tools.models import tiny as tiny_models
 from cocodiff_xfuser.tools.verify import Run
+from workers.inductor_code import exchanges_in_flight, host_work
 
 pytestmark = pytest.mark.distributed
 
@@ -115,7 +117,7 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
         setup, first, second = rank
         assert first["frames"] == second["frames"], rank
         ours = {r.removeprefix(DISABLED) for r in second["graph_breaks"] if r not in stock_breaks}
-        if backend == "cocodiff":  # stock's processors: the exchange is one operator in the graph
+        if backend == "cocodiff":  # stock's processors: the exchange is a functional collective of the graph
             assert not ours, ours
         if JOBS[job][2] == 1:
             # V-First (exact or V-Major, auto's steps too) decided in the graph, its exchanges operators:
@@ -139,6 +141,31 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
     if backend == "cocodiff+vfirst" and "--cocodiff-compress" not in JOBS[job][5]:
         # Exact: the compiled V-First image is the compiled stock one (the same graphs around the exchanges).
         assert np.array_equal(_images(out, job, backend), _images(out, job, "ulysses"))
+
+
+#: The exact backends: every exchange of their graphs is a functional collective.
+EXACT = ("cocodiff", "cocodiff+vfirst")
+
+
+@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b in EXACT
+                                          and "--cocodiff-compress" not in spec[5]])
+def test_compiled_exact_layers_hold_functional_collectives_with_v_first_in_flight(generated, job, backend):
+    # The generated code (FLUX under xDiT's reduce-overhead mode, Wan under the default one, with
+    # xDiT's compute/communication overlap passes): no operator of cocodiff's, no host read, every
+    # exchange an all_to_all_single; under V-First each layer issues V's, Q/K's and the output's, in
+    # that order, and projects Q and K (two matrix products, four with FLUX's text) while V's is in flight.
+    out = generated(job)
+    code = json.loads((output_dir(out, tiny_models.SPECS[JOBS[job][0]].model_id, backend) / "inductor_code.json").read_text())
+    assert code and host_work(code) == [], host_work(code)
+    in_flight = exchanges_in_flight(code)
+    stock = exchanges_in_flight(json.loads((output_dir(out, tiny_models.SPECS[JOBS[job][0]].model_id, "ulysses")
+                                            / "inductor_code.json").read_text()))
+    ran = _result(out, job, backend)["ran"]
+    assert set(ran["exchanges"]) <= {"flat", "hierarchical"}, ran
+    if backend == "cocodiff":
+        assert in_flight == stock, (in_flight, stock)  # stock's graph, cocodiff's route
+        return
+    assert len(in_flight) % 3 == 0 and min(in_flight[0::3]) >= 2, in_flight
 
 
 def test_compiled_v_major_gives_the_eager_images(generated):

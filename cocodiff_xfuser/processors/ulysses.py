@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, operators, padding
+from cocodiff_xfuser import commstats, compat, operators, padding, ulysses_collectives
 from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
@@ -217,19 +217,23 @@ def start_input_exchange(
     label: str,
     ahead_of: tuple[torch.Tensor | None, ...],
     layer: policy.Layer | None = None,
-) -> PendingExchange | torch.Tensor:
+) -> PendingExchange | ulysses_collectives.InFlight | torch.Tensor:
     """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``exchanger``,
     asynchronously (counted as the call); ``layer``: its V-Major layer.
 
-    Traced by torch.compile, V's exchange is an operator of the graph, which returns a token for
-    :func:`attention` (the exchange in flight waits in the process's slot). ``ahead_of``: the
-    tensors Q and K are computed from (one, or two with None for a missing second). The operator
-    declares them written, which they are not, so that the graph computes Q and K after it: else
-    inductor's scheduler may move V's projection and exchange next to Q/K's exchange (its reorders
-    for locality and for peak memory, on by default, do), and nothing would hide V's exchange.
+    Traced by torch.compile, an exact layer's exchange is a functional collective of the graph
+    (:mod:`cocodiff_xfuser.ulysses_collectives`), issued here, before Q and K are projected. A
+    V-Major or fp8 one is an operator of the graph, which returns a token for :func:`attention`
+    (the exchange in flight waits in the process's slot). ``ahead_of``: the tensors Q and K are
+    computed from (one, or two with None for a missing second). The operator declares them
+    written, which they are not, so that the graph computes Q and K after it: else inductor's
+    scheduler may move V's projection and exchange next to Q/K's exchange (its reorders for
+    locality and for peak memory, on by default, do), and nothing would hide V's exchange.
     Eagerly the program's order holds.
     """
     if torch.compiler.is_compiling():
+        if ulysses_collectives.applies(exchanger, layer):
+            return ulysses_collectives.start_v(exchanger, value, label)
         first, second = (*ahead_of, None)[:2]
         return torch.ops.cocodiff.v_first_start(value, label, -1 if layer is None else layer.number, first, second)
     return _start_input_exchange(exchanger, value, label=label, layer=layer)
@@ -318,7 +322,7 @@ operators.define("v_first_output", _output_operator, _output_fake)
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
-    value: PendingExchange | torch.Tensor,
+    value: PendingExchange | ulysses_collectives.InFlight | torch.Tensor,
     *,
     joint_query: torch.Tensor | None = None,
     joint_key: torch.Tensor | None = None,
@@ -334,13 +338,19 @@ def attention(
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
 
-    Under torch.compile (``value`` the token of V's operator) the exchanges are operators of the
-    graph; where V's exchange could not start as one, graph breaks (:func:`exchange_inputs` and
-    :func:`output_exchange`). Their host work stays out of traced code either way; the joint
-    tokens' layout, the K/V trim and the attention itself are traced.
+    Under torch.compile, with V's exchange issued as a functional collective, so are the others;
+    with ``value`` the token of V's operator, the exchanges are operators of the graph; where V's
+    exchange could not start as either, graph breaks (:func:`exchange_inputs` and
+    :func:`output_exchange`). The joint tokens' layout, the K/V trim and the attention itself are traced.
     """
     head_count = query.shape[1]
     query, joint_attn_kwargs = _joined(query, joint_query, joint_key, joint_value, joint_strategy)
+    if isinstance(value, ulysses_collectives.InFlight):
+        exchanger = value.exchanger
+        query, key, value = ulysses_collectives.exchange_inputs(query, key, value)
+        key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
+        out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
+        return ulysses_collectives.output(exchanger, out, head_count)
     if isinstance(value, torch.Tensor):
         # Traced, V's exchange an operator in flight: the exchanges are operators too, not graph breaks.
         query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, value)

@@ -84,18 +84,22 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     every rank (collective). With ``repeat``, time that many more runs of the last case (``comm``:
     their communication statistics). ``on_call`` follows every pipeline call. Returns ``runner``,
     ``images`` (this rank's output, per case), ``timings``, ``comm``, ``ran`` (summed over the
-    ranks) and ``launches`` (every rank's collective launches)."""
+    ranks), ``launches`` (every rank's collective launches) and, compiled, ``inductor_code``: the
+    code inductor generated for this rank's graphs (cache hits included)."""
     from xfuser.runner import xFuserModelRunner
 
     from cocodiff_xfuser import commstats
     from cocodiff_xfuser.comm import transport
 
     commstats.reset_ran()
+    code: list[str] | None = None
     if args.get("use_torch_compile"):
         # Each backend compiles as in a process of its own (the last one's cache entries would
         # count toward this one's recompile limit, its counters toward this one's breaks).
         compat.torch_private("torch._dynamo", "reset")()
         compat.torch_private("torch._dynamo.utils", "counters").clear()
+        code = []
+        compat.torch_private("torch._inductor.graph", "GraphLowering").save_output_code = code.append
     launched_before = len(transport.launches())
     runner = xFuserModelRunner(args)
     input_args = runner.preprocess_args(args)
@@ -119,7 +123,7 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     ran = commstats.sum_ran(gather(commstats.ran()))
     launches = gather(transport.launches()[launched_before:])
     return {"runner": runner, "input_args": input_args, "images": images, "timings": timings, "comm": comm,
-            "ran": ran, "launches": launches, "dynamo": gather(dynamo)}
+            "ran": ran, "launches": launches, "dynamo": gather(dynamo), "inductor_code": code}
 
 
 def compile_counts() -> dict:
@@ -189,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
                 path = output_dir(mine.out, model, backend)
                 _save(path, done["images"], done["timings"], done["input_args"], done["comm"], mine.save_png,
                       done["ran"], done["launches"] if transport.auditing() else None, cases, done["dynamo"])
+                if done["inductor_code"] is not None:
+                    (path / "inductor_code.json").write_text(json.dumps(done["inductor_code"]))
     if runner is not None:
         runner.cleanup()
 

@@ -8,10 +8,11 @@ import importlib.metadata
 import logging
 import math
 import types
+import weakref
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, operators, padding
+from cocodiff_xfuser import commstats, compat, operators, padding, ulysses_collectives
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import calls, fault_policy, flags, job, padded
@@ -91,7 +92,10 @@ def patch_runtime_state(rs: types.ModuleType) -> None:
 def _routed_all_to_all(original):
     def _sdpa_all_to_all_single(x):
         if torch.compiler.is_compiling():
-            # Traced: one opaque operator in the graph, no break; it routes when the graph runs.
+            exchanger = job.exchanger()
+            if ulysses_collectives.applies(exchanger, None):  # traced: functional collectives, routed now
+                return ulysses_collectives.all_to_all(exchanger, x, "usp")
+            # fp8 on the wire: one opaque operator in the graph, no break; it routes when the graph runs.
             return torch.ops.cocodiff.ulysses_all_to_all(x)
         exchanger = job.exchanger()
         if exchanger is None:
@@ -210,7 +214,11 @@ def _adapt(pipe, transformers: list) -> None:
         commstats.count_fallback(f"model: {reason}")
         job.end()
         use_patches(_compiled())
-    elif exchanger.options.v_first or uneven is not None:
+        return
+    if _compiled():
+        for transformer in transformers:
+            _count_graph_calls(transformer)
+    if exchanger.options.v_first or uneven is not None:
         if uneven is not None:
             _check_padding_possible(uneven)
             logger.warning("cocodiff: %s: zero heads padded up to a multiple (cocodiff's processors)", uneven)
@@ -223,6 +231,31 @@ def _adapt(pipe, transformers: list) -> None:
         stock = sorted({name for t in transformers for name in families.stock_usp(t)})
         if uneven is not None and stock:
             fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
+
+
+# The transformers whose calls replay their graphs' counts (hooked once, however often xfuser adapts them).
+_replaying: weakref.WeakSet = weakref.WeakSet()
+
+
+def _count_graph_calls(transformer: torch.nn.Module) -> None:
+    """Compiled, a transformer's graphs count nothing when they run: each call counts what its graph
+    counted when it was traced (:func:`cocodiff_xfuser.commstats.traced`), on the host around the graph."""
+    if transformer in _replaying:
+        return
+    _replaying.add(transformer)
+
+    @torch.compiler.disable
+    def before(module, args, kwargs) -> None:
+        commstats.call_began()
+
+    @torch.compiler.disable
+    def after(module, args, kwargs, output) -> None:
+        # What selects the call's graph: its module and its inputs' shapes.
+        shapes = tuple(tuple(v.shape) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+        commstats.call_ended((id(module), shapes))
+
+    transformer.register_forward_pre_hook(before, with_kwargs=True)
+    transformer.register_forward_hook(after, with_kwargs=True)
 
 
 def _compiled() -> bool:

@@ -1,4 +1,4 @@
-"""Flat, flat-p2p, flat-pxn and hierarchical all-to-all, V-Major's sparse exchange and the ring's
+"""Flat, flat-p2p, flat-pxn and hierarchical all-to-all (and TAPA as a compiled graph holds it), V-Major's sparse exchange and the ring's
 gather on real gloo process groups (torchrun, CPU), with gloo's own rules and with a device
 backend's (``COCODIFF_DEVICE_SEMANTICS=1``).
 
@@ -22,7 +22,7 @@ WORKER = REPO / "tests" / "workers" / "collectives_worker.py"
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 CASES = [
     "sparse", "v_major_layer", "agreement", "semantics", "layouts", "subgroups", "async", "uneven", "p2p", "p2p_async",
-    "pipelined", "ulysses_layout", "same_path", "pxn", "ring",
+    "pipelined", "ulysses_layout", "same_path", "pxn", "ring", "functional",
 ]
 MODES = {"gloo": {}, "device-semantics": {DEVICE_SEMANTICS_ENV: "1"}}
 # 4 ranks (2x2) in both modes; 8 ranks (2x4, 4x2, 2x2x2 and sub-group layouts) under a device

@@ -165,11 +165,11 @@ def test_an_exchange_across_nodes_runs_code_in_at_most_six_product_modules():
 
 @pytest.mark.distributed
 def test_compiled_joint_path_keeps_one_graph_and_stocks_bits(reports):
-    """HunyuanVideo's whole-text (``"rear"``) joint attention compiled, Ulysses 2: V-First's exchanges
-    are operators of the graph (the joint tokens' layout traced around them), so it breaks the graph
-    nowhere compiled stock does not, and gives compiled stock's output bitwise (SD3 at a text length
-    the degree does not divide takes this path); the graph projects every Q and K while V's exchange
-    is in flight, as the eager layer does."""
+    """HunyuanVideo's whole-text (``"rear"``) joint attention compiled with xDiT's overlap passes,
+    Ulysses 2: V-First's exchanges are functional collectives of the graph (the joint tokens' layout
+    traced around them), so it breaks the graph nowhere compiled stock does not, runs no host work,
+    and gives compiled stock's output bitwise (SD3 at a text length the degree does not divide takes
+    this path); the graph projects every Q and K while V's exchange is in flight, as the eager layer does."""
     assert "CASE hunyuan_video_rear_text_compiled ok" in reports["u2"], reports["u2"]
 
 

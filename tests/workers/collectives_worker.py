@@ -25,15 +25,18 @@ import torch.distributed as dist
 import dataclasses
 
 from cocodiff_xfuser import commstats
-from cocodiff_xfuser.comm import faults, sparse, timing, transport
+from cocodiff_xfuser.comm import faults, functional, sparse, timing, transport
 from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
 from cocodiff_xfuser.comm.autotune import ALGORITHMS, AutoAllToAll, Registry, size_bucket
-from cocodiff_xfuser.comm.flat import FlatHandle, P2PHandle, flat_all_to_all, p2p_all_to_all, start_flat_all_to_all, start_p2p_all_to_all
+from cocodiff_xfuser.comm.flat import (
+    FlatHandle, P2PHandle, flat_all_to_all, p2p_all_to_all, start_flat_all_to_all, start_p2p_all_to_all, wait_collective,
+)
 from cocodiff_xfuser.comm.ring import Remote, RingGather
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle, TwoLevelHandle
 from cocodiff_xfuser.comm.topology import Topology
 from cocodiff_xfuser.ulysses_layout import heads, sequence
-from cocodiff_xfuser.settings import VMajorSettings
+from cocodiff_xfuser.exchanger import Exchanger
+from cocodiff_xfuser.settings import Options, VMajorSettings
 from cocodiff_xfuser.tools import same_bits
 from cocodiff_xfuser.xfuser import fault_policy
 import cocodiff_xfuser.comm.autotune as autotune
@@ -935,6 +938,34 @@ def case_same_path() -> None:
         check(calls["gloo"] == (0 if transport.device_semantics() else len(gloo)), f"{spec}: gloo calls {calls['gloo']}")
 
 
+def case_functional() -> None:
+    """TAPA as a compiled graph holds it (:mod:`cocodiff_xfuser.comm.functional`): one all_to_all_single
+    per level, bitwise the flat exchange, eagerly and compiled; and the exchanger's route for a traced
+    exchange: TAPA's levels where asked for, one answer on every rank where measured, counted once."""
+    for spec, levels in _topologies().items():
+        hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
+        groups = tuple(g.group_name for g in hier.plan(dist.group.WORLD).level_groups)
+        for seed, dtype in enumerate((torch.float32, torch.bfloat16, torch.uint8)):
+            x = rand_bits((WORLD * 6, 5), dtype, seed)
+            got = wait_collective(functional.levels_all_to_all(x, levels, groups))
+            check(same_bits(got, flat_all_to_all(x)), f"{spec} {dtype}: TAPA's functional levels != flat")
+        torch._dynamo.reset()
+        x = torch.randn(WORLD * 4, 3, generator=torch.Generator().manual_seed(RANK))
+        compiled = torch.compile(lambda t: functional.levels_all_to_all(t * 2, levels, groups))(x)
+        check(same_bits(compiled, flat_all_to_all(x * 2)), f"{spec}: compiled TAPA's functional levels != flat")
+        for a2a, expected in (("hierarchical", (levels, groups)), ("flat", ((), (dist.group.WORLD.group_name,))), ("auto", None)):
+            exchanger = Exchanger(dist.group.WORLD, Options(topology=spec, a2a=a2a))
+            commstats.reset_ran()
+            route = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu")
+            check(expected is None or route == expected, f"{spec} {a2a}: traced route {route}")
+            everyone = [None] * WORLD
+            dist.all_gather_object(everyone, route[0])
+            check(len(set(everyone)) == 1, f"{spec} {a2a}: the ranks chose {everyone}")
+            check(exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu") == route, f"{spec} {a2a}: route changed")
+            algorithm = "hierarchical" if route[0] else "flat"
+            check(commstats.ran()["exchanges"] == {algorithm: 2}, f"{spec} {a2a}: counted {commstats.ran()['exchanges']}")
+
+
 def case_ring() -> None:
     """The ring attention's K/V gather (:mod:`cocodiff_xfuser.comm.ring`): bitwise torch's all-gather on
     the world and on strided ring groups (ranks one node apart, as xfuser builds them), for every
@@ -1020,6 +1051,7 @@ CASES = {
     "pipelined": case_pipelined,
     "pxn": case_pxn,
     "ring": case_ring,
+    "functional": case_functional,
     "ulysses_layout": case_ulysses_layout,
 }
 

@@ -1,5 +1,6 @@
 """What the code inductor generated for a compiled model runs, read from its source: the order of a
-V-First layer's work around its exchanges (the workers' compiled cases)."""
+layer's work around its exchanges, and what a graph must not hold (the workers' and the compiled
+jobs' cases)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,26 @@ import re
 from typing import Iterable
 
 _MATMUL = re.compile(r"\b(?:addmm|mm|bmm|_linear_pointwise|linear)\(")
-_START, _INPUTS = "cocodiff.v_first_start.default(", "cocodiff.v_first_inputs.default("
+_A2A = re.compile(r"^\s*(\w+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(")
+#: What runs host code when a graph runs: cocodiff's opaque operators, host reads of device values.
+_HOST = re.compile(r"torch\.ops\.cocodiff\.|_local_scalar_dense|\.item\(\)|\.tolist\(\)")
 
 
-def projections_in_flight(sources: Iterable[str]) -> set[tuple[str, int]]:
-    """Per V-First layer call in the generated ``sources``: its V exchange's label and the matrix
-    products it runs between the start of V's exchange and Q/K's exchange (where Q and K are
-    projected while V's exchange is in flight)."""
-    return {(re.search(r"'([^']+)'", part).group(1), len(_MATMUL.findall(part.split(_INPUTS)[0])))
-            for source in sources for part in source.split(_START)[1:]}
+def exchanges_in_flight(sources: Iterable[str]) -> list[int]:
+    """Per all-to-all of the generated ``sources``, in the order the graphs issue them: the matrix
+    products run between its issue and its wait (the compute that hides it)."""
+    counts = []
+    for source in sources:
+        lines = source.splitlines()
+        for i, line in enumerate(lines):
+            issued = _A2A.match(line)
+            if issued:
+                wait = f"wait_tensor.default({issued.group(1)})"
+                end = next(j for j in range(i + 1, len(lines)) if wait in lines[j])
+                counts.append(sum(len(_MATMUL.findall(x)) for x in lines[i + 1:end]))
+    return counts
+
+
+def host_work(sources: Iterable[str]) -> list[str]:
+    """The lines of the generated ``sources`` that run host code of cocodiff's or read a device value."""
+    return [line.strip() for source in sources for line in source.splitlines() if _HOST.search(line)]

@@ -1,0 +1,108 @@
+"""A compiled layer's exact Ulysses exchanges, as the graph holds them: functional collectives.
+
+Traced by torch.compile, a layer whose exchanges are exact (no V-Major, no fp8, no padded tokens:
+:func:`applies`) holds plain traceable torch: each exchange is ``all_to_all_single`` over the
+Ulysses group, or TAPA's one per topology level (:mod:`cocodiff_xfuser.comm.functional`), which
+inductor schedules and a CUDA graph captures, as it does stock's; no operator of cocodiff's, no host
+read, and no Python when the graph runs. V-First is program order: V's all-to-all is written before
+Q and K are projected (:func:`start`) and waited for where attention reads it (:func:`exchange_inputs`);
+xDiT's overlap passes (``raise_comms``, ``sink_waits``) keep it so. What an exchange needs to know
+is fixed when the graph is traced: its route (flat or TAPA's levels,
+:meth:`~cocodiff_xfuser.exchanger.Exchanger.graph_route`, measured once per size with real buffers),
+and what ran, counted then and replayed per transformer call (:func:`cocodiff_xfuser.commstats.traced`).
+Eagerly the processors take the exchanger's handles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cocodiff_xfuser import commstats, compat, padding
+from cocodiff_xfuser.comm import functional
+from cocodiff_xfuser.exchanger import Exchanger
+
+
+def applies(exchanger: Exchanger, layer: object | None) -> bool:
+    """Whether a traced layer's exchanges are functional collectives: exact (no V-Major ``layer``,
+    no fp8) and without the running forward's padded tokens (whose trim keeps a host-side index)."""
+    return layer is None and exchanger.options.compress == "none" and not padding.tokens_padded()
+
+
+@compat.trace_time
+def _route(exchanger: Exchanger, label: str, shape: tuple[int, ...], dtype: str, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    # Runs once per traced exchange, before the graph does (collective: every rank traces alike).
+    return exchanger.graph_route(label, shape, dtype, device)
+
+
+def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor:
+    """The equal-split all-to-all of ``x`` (chunks destination-major along the flattened data, as
+    xfuser's ``_sdpa_all_to_all_single``) over the Ulysses group, by the route fixed for its size."""
+    levels, groups = _route(exchanger, label, tuple(x.shape), str(x.dtype), str(x.device))
+    flat = x.reshape(exchanger.world_size, -1)
+    out = functional.all_to_all(flat, groups[0]) if len(groups) == 1 else functional.levels_all_to_all(flat, levels, groups)
+    return out.reshape(x.shape)
+
+
+class InFlight:
+    """Same-shaped ``[b, h, s, d]`` tensors whose input exchange has been issued: ``exchanged`` is
+    source-major ``[W, n, b, h/W, s, d]``, which the graph waits for where it is read."""
+
+    def __init__(self, exchanger: Exchanger, exchanged: torch.Tensor) -> None:
+        self.exchanger, self.exchanged = exchanger, exchanged
+
+
+def start(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...], label: str) -> InFlight:
+    """Issue the Ulysses input exchange of ``tensors`` (their heads padded to a multiple of W)."""
+    world = exchanger.world_size
+    heads = tensors[0].shape[1]
+    tensors = tuple(padding.pad_heads(t, world) for t in tensors)
+    b, h, s, d = tensors[0].shape
+    # [b, h, s, d] -> [b, W, h/W, s, d] -> [W, b, h/W, s, d], stacked at dim 1: [W, n, b, h/W, s, d]
+    # (head block g for group rank g: destination-major, one copy)
+    stacked = torch.stack([t.view(b, world, h // world, s, d).transpose(0, 1) for t in tensors], 1)
+    nbytes = stacked.numel() * stacked.element_size()
+    commstats.traced("count_copy", nbytes)
+    if heads < h:
+        commstats.traced("count_padding", round(nbytes * (1 - heads / h)))
+    return InFlight(exchanger, all_to_all(exchanger, stacked, label))
+
+
+def wait(pending: InFlight) -> tuple[torch.Tensor, ...]:
+    """The exchanged tensors, head-sharded ``[b, h/W, W*s, d]``."""
+    world, n, b, local_heads, s, d = pending.exchanged.shape
+    # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d], per tensor
+    out = tuple(pending.exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n))
+    commstats.traced("count_copy", sum(t.numel() * t.element_size() for t in out))
+    return out
+
+
+def start_v(exchanger: Exchanger, value: torch.Tensor, label: str) -> InFlight:
+    """V's input exchange of a V-First call, issued before its Q/K are projected (counted as the call)."""
+    commstats.traced("count_v_first_call")
+    return start(exchanger, (value,), label)
+
+
+def exchange_inputs(query: torch.Tensor, key: torch.Tensor, value: InFlight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q's and K's exchanges (the query with any joint tokens: two exchanges), then V's: head-sharded Q, K, V."""
+    exchanger = value.exchanger
+    if query.shape == key.shape:
+        query, key = wait(start(exchanger, (query, key), "qk"))
+    else:
+        pending_q, pending_k = start(exchanger, (query,), "q"), start(exchanger, (key,), "k")
+        (query,), (key,) = wait(pending_q), wait(pending_k)
+    (value,) = wait(value)
+    return query, key, value
+
+
+def output(exchanger: Exchanger, out: torch.Tensor, heads: int) -> torch.Tensor:
+    """The output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]`` (its first
+    ``heads``: the rest are padding), as xfuser's ``_ft_c_output_all_to_all`` lays it out."""
+    world = exchanger.world_size
+    b, h, s, d = out.shape
+    if heads < h * world:
+        commstats.traced("count_padding", round(out.numel() * out.element_size() * (1 - heads / (h * world))))
+    # [b, h/W, W*s, d] -> [W*s, b, h/W, d]: token block j for group rank j
+    exchanged = all_to_all(exchanger, out.permute(2, 0, 1, 3).contiguous(), "out")
+    # [W, s, b, h/W, d] -> [b, W, h/W, s, d] -> [b, h, s, d]
+    exchanged = exchanged.reshape(world, s // world, b, h, d).permute(2, 0, 3, 1, 4).reshape(b, world * h, s // world, d)
+    return exchanged if exchanged.shape[1] == heads else exchanged[:, :heads]
