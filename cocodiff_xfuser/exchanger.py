@@ -310,10 +310,13 @@ class Exchanger:
         out = self.finish(lambda: route.start(flat).wait(), label, route.algorithm, route.where)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 
-    def graph_route(self, label: str, shape: tuple[int, ...], dtype: str, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The route of a traced exchange (:mod:`cocodiff_xfuser.ulysses_collectives`) of a tensor of
-        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them), counted as one exchange of
-        the graph: ``(levels, group names)``, one group for the flat exchange, one per level for TAPA's.
+    def graph_route(
+        self, label: str, shape: tuple[int, ...], dtype: str, device: str, exact_bytes: int
+    ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The route of a traced exchange (:mod:`cocodiff_xfuser.ulysses_collectives`) of a payload of
+        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them; ``exact_bytes``: the values'
+        size on the wire, uncompressed), counted as one exchange of the graph: ``(levels, group
+        names)``, one group for the flat exchange, one per level for TAPA's.
         Decided when the graph is traced, once per size (collective where ``--cocodiff-a2a auto``
         measures): flat unless TAPA is asked for or measures faster, each measured as the graph runs it."""
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
@@ -323,8 +326,9 @@ class Exchanger:
             new = lambda: self._new_graph_route(torch.zeros(shape, dtype=torch_dtype, device=device))  # noqa: E731
             route = self._graph_routes[key] = self.finish(new, label, "autotune")
         levels, _ = route
-        nbytes = int(math.prod(shape) * transport.wire_itemsize(torch_dtype) * self.layout.slow_share)
-        commstats.traced("count_exchange", "hierarchical" if levels else "flat", label, nbytes, nbytes)
+        share = self.layout.slow_share
+        sent = int(math.prod(shape) * transport.wire_itemsize(torch_dtype) * share)
+        commstats.traced("count_exchange", "hierarchical" if levels else "flat", label, sent, int(exact_bytes * share))
         return route
 
     def _new_graph_route(self, probe: torch.Tensor) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -1,7 +1,7 @@
 """A compiled layer's exact Ulysses exchanges, as the graph holds them: functional collectives.
 
-Traced by torch.compile, a layer whose exchanges are exact (no V-Major, no fp8, no padded tokens:
-:func:`applies`) holds plain traceable torch: each exchange is ``all_to_all_single`` over the
+Traced by torch.compile, a layer whose exchanges are exact or fp8 on every link (no V-Major, no
+fp8-slow, no padded tokens: :func:`applies`) holds plain traceable torch: each exchange is ``all_to_all_single`` over the
 Ulysses group, or TAPA's one per topology level (:mod:`cocodiff_xfuser.comm.functional`), which
 inductor schedules and a CUDA graph captures, as it does stock's; no operator of cocodiff's, no host
 read, and no Python when the graph runs. V-First is program order: V's all-to-all is written before
@@ -18,28 +18,38 @@ from __future__ import annotations
 import torch
 
 from cocodiff_xfuser import commstats, compat, padding
-from cocodiff_xfuser.comm import functional
+from cocodiff_xfuser.comm import compress, functional, transport
 from cocodiff_xfuser.exchanger import Exchanger
 
 
 def applies(exchanger: Exchanger, layer: object | None) -> bool:
-    """Whether a traced layer's exchanges are functional collectives: exact (no V-Major ``layer``,
-    no fp8) and without the running forward's padded tokens (whose trim keeps a host-side index)."""
-    return layer is None and exchanger.options.compress == "none" and not padding.tokens_padded()
+    """Whether a traced layer's exchanges are functional collectives: no V-Major ``layer``, exact or
+    fp8 on every link (fp8-slow's rows travel as V-Major's do), and no padded tokens in the running
+    forward (whose trim keeps a host-side index)."""
+    return layer is None and exchanger.options.compress in ("none", "fp8") and not padding.tokens_padded()
 
 
 @compat.trace_time
-def _route(exchanger: Exchanger, label: str, shape: tuple[int, ...], dtype: str, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _route(
+    exchanger: Exchanger, label: str, shape: tuple[int, ...], dtype: str, device: str, exact_bytes: int
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     # Runs once per traced exchange, before the graph does (collective: every rank traces alike).
-    return exchanger.graph_route(label, shape, dtype, device)
+    return exchanger.graph_route(label, shape, dtype, device, exact_bytes)
 
 
 def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor:
     """The equal-split all-to-all of ``x`` (chunks destination-major along the flattened data, as
-    xfuser's ``_sdpa_all_to_all_single``) over the Ulysses group, by the route fixed for its size."""
-    levels, groups = _route(exchanger, label, tuple(x.shape), str(x.dtype), str(x.device))
-    flat = x.reshape(exchanger.world_size, -1)
-    out = functional.all_to_all(flat, groups[0]) if len(groups) == 1 else functional.levels_all_to_all(flat, levels, groups)
+    xfuser's ``_sdpa_all_to_all_single``; rows of its last dim) over the Ulysses group, by the route
+    fixed for its size; under ``--cocodiff-compress fp8`` packed as the exchanger packs it."""
+    world, d = exchanger.world_size, x.shape[-1]
+    exact_bytes = x.numel() * transport.wire_itemsize(x.dtype)
+    fp8 = exchanger.options.compress == "fp8" and x.dtype in compress.WIDE
+    # [W * ..., d] -> [W, c]: chunk j for group rank j; fp8: [W, rows, d] -> [W, rows * (d + 4)] bytes
+    payload = compress.pack(transport.wire_values(x).reshape(world, -1, d)) if fp8 else x.reshape(world, -1)
+    levels, groups = _route(exchanger, label, tuple(payload.shape), str(payload.dtype), str(payload.device), exact_bytes)
+    out = functional.all_to_all(payload, groups[0]) if len(groups) == 1 else functional.levels_all_to_all(payload, levels, groups)
+    if fp8:
+        out = compress.unpack(out, x.numel() // (world * d), d, x.dtype)
     return out.reshape(x.shape)
 
 

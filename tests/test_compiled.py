@@ -143,17 +143,17 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
         assert np.array_equal(_images(out, job, backend), _images(out, job, "ulysses"))
 
 
-#: The exact backends: every exchange of their graphs is a functional collective.
-EXACT = ("cocodiff", "cocodiff+vfirst")
+#: The backends whose every exchange is a functional collective of their graphs: exact, or fp8 on every link.
+TRACED = ("cocodiff", "cocodiff+vfirst", "fp8")
 
 
-@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b in EXACT
-                                          and "--cocodiff-compress" not in spec[5]])
+@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b in TRACED])
 def test_compiled_exact_layers_hold_functional_collectives_with_v_first_in_flight(generated, job, backend):
     # The generated code (FLUX under xDiT's reduce-overhead mode, Wan under the default one, with
     # xDiT's compute/communication overlap passes): no operator of cocodiff's, no host read, every
-    # exchange an all_to_all_single; under V-First each layer issues V's, Q/K's and the output's, in
-    # that order, and projects Q and K (two matrix products, four with FLUX's text) while V's is in flight.
+    # exchange an all_to_all_single (fp8's packed and unpacked around it); under V-First each layer
+    # issues V's, Q/K's and the output's, in that order, and projects Q and K (two matrix products,
+    # four with FLUX's text) while V's is in flight.
     out = generated(job)
     code = json.loads((output_dir(out, tiny_models.SPECS[JOBS[job][0]].model_id, backend) / "inductor_code.json").read_text())
     assert code and host_work(code) == [], host_work(code)
