@@ -112,6 +112,9 @@ class Exchanger:
         plan = tapa.plan(group)
         self._level_groups = () if plan is None else tuple(g.group_name for g in plan.level_groups)
         self._graph_routes: dict[tuple, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+        #: A V-First processor's fall-back decisions, agreed over the group once per (processor, input
+        #: shapes, local reason): the reason (None: V-First runs).
+        self.agreed: dict[tuple, str | None] = {}
         # V-Major on the ring of the transformer that runs (:class:`~cocodiff_xfuser.vmajor.ring.Ring`,
         # set as each transformer call starts), or None: the ring's K/V are gathered exactly.
         self.ring_v_major = None

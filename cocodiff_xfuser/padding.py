@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -74,7 +75,10 @@ class Streams:
 _streams: Streams | None = None
 _padded_forwards = 0  # forwards that padded tokens so far (what a step clock compares around a call)
 _uneven_heads: str | None = None  # the loaded model's heads over the degree, when they do not divide
-_keep_cache: dict[tuple[Streams, torch.device], torch.Tensor] = {}
+# The last few padded layouts' kept positions: a service alternating sizes reuses them, and a new
+# size evicts the oldest (a process serving many sizes holds no more).
+_keep_cache: OrderedDict[tuple[Streams, torch.device], torch.Tensor] = OrderedDict()
+_KEEP_CACHE_SIZE = 8
 
 
 @contextlib.contextmanager
@@ -129,9 +133,13 @@ def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, tor
             f"{key.shape[2]} keys instead of {_streams.world * _streams.local}; this model's sequence layout "
             f"is not supported with padding: choose a resolution and text length divisible by the degree"
         )
-    index = _keep_cache.get((_streams, key.device))
-    if index is None:
-        index = _keep_cache.setdefault((_streams, key.device), _streams.keep(key.device))
+    entry = (_streams, key.device)
+    if entry not in _keep_cache:
+        _keep_cache[entry] = _streams.keep(key.device)
+        if len(_keep_cache) > _KEEP_CACHE_SIZE:
+            _keep_cache.popitem(last=False)
+    _keep_cache.move_to_end(entry)
+    index = _keep_cache[entry]
     key, value = key.index_select(2, index), value.index_select(2, index)
     commstats.count_copy(2 * key.numel() * key.element_size())
     return key, value

@@ -42,6 +42,17 @@ def test_keep_keys_drops_padded_keys_while_a_padded_forward_runs():
     assert not padding.tokens_padded()
 
 
+def test_a_service_of_many_sizes_keeps_a_bounded_number_of_layouts():
+    # Each size a request brings pads its own layout; the oldest are let go, the one in use kept.
+    for text in range(1, 3 * padding._KEEP_CACHE_SIZE, 3):
+        streams = padding.streams((text, 7), 3)
+        with padding.tokens(streams):
+            key = torch.zeros(1, 1, 3 * streams.local, 1)
+            padding.keep_keys(key, key)
+        assert len(padding._keep_cache) <= padding._KEEP_CACHE_SIZE
+        assert next(reversed(padding._keep_cache))[0] == streams
+
+
 def test_padded_bytes_are_counted():
     commstats.reset_ran()
     padding.count(900, 8, 9)

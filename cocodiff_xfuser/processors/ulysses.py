@@ -504,9 +504,9 @@ def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: S
     if exchanger is None or exchanger.closed or get_ulysses_parallel_world_size() == 1:
         return _counted("no Ulysses exchange")
     local = _local_reason(extra)
-    # Kept on the processor: (input shapes, local reason) -> the agreed reason (None: V-First runs).
-    agreed = processor.__dict__.setdefault("_cocodiff_agreed", {})
-    key = (tuple(None if t is None else (t.shape, t.dtype) for t in inputs), local)
+    # Kept by the job's exchanger, never on the model: a new job agrees again.
+    agreed = exchanger.agreed
+    key = (id(processor), tuple(None if t is None else (t.shape, t.dtype) for t in inputs), local)
     if key not in agreed:
         device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
         anyone = any_rank(local is not None, exchanger.group, device)
