@@ -326,15 +326,14 @@ class Exchanger:
         key = (shape, torch_dtype, device)
         route = self._graph_routes.get(key)
         if route is None:
-            new = lambda: self._new_graph_route(torch.zeros(shape, dtype=torch_dtype, device=device))  # noqa: E731
-            route = self._graph_routes[key] = self.finish(new, label, "autotune")
+            route = self._graph_routes[key] = self.finish(lambda: self._new_graph_route(*key), label, "autotune")
         levels, _ = route
         share = self.layout.slow_share
         sent = int(math.prod(shape) * transport.wire_itemsize(torch_dtype) * share)
         commstats.traced("count_exchange", "hierarchical" if levels else "flat", label, sent, int(exact_bytes * share))
         return route
 
-    def _new_graph_route(self, probe: torch.Tensor) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def _new_graph_route(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
         flat, tapa = ((), (self.group.group_name,)), (self.levels, self._level_groups)
         a2a = self.options.a2a
         reason = None
@@ -349,7 +348,7 @@ class Exchanger:
             return tapa
         if a2a != "auto" or not self.levels:
             return flat
-        x = probe.view(self.world_size, -1)
+        x = torch.zeros(shape, dtype=dtype, device=device).view(self.world_size, -1)  # a real buffer to measure with
         pairs, burst = sampling(x.numel() * x.element_size(), self.autotune.reps)
         ops = {"flat": lambda: wait_collective(functional.all_to_all(x, flat[1][0])),
                "hierarchical": lambda: wait_collective(functional.levels_all_to_all(x, *tapa))}
@@ -357,7 +356,7 @@ class Exchanger:
         ratios = {k: [statistics.median(r), timing.median_upper_bound(r)] for k, r in timing.paired_ratios(times, "flat").items()}
         chosen = pick(ratios, self.autotune.margin)
         logger.info("cocodiff: traced all-to-all over %s of %s %s: %s (hierarchical at %.2fx flat's time)",
-                    self._group_desc, list(probe.shape), probe.dtype, chosen, ratios["hierarchical"][0])
+                    self._group_desc, list(shape), dtype, chosen, ratios["hierarchical"][0])
         return tapa if chosen == "hierarchical" else flat
 
     @property

@@ -16,7 +16,8 @@ import torch
 
 from .. import compat
 
-# Looked up once, here: a graph cannot trace the lookup.
+# Looked up once, at import (a graph cannot trace the lookup; eager exchanges use the same name,
+# :mod:`.flat`).
 _all_to_all_single = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
 
 

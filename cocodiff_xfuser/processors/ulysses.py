@@ -223,7 +223,7 @@ def start_input_exchange(
 
     Traced by torch.compile, an exact layer's exchange is a functional collective of the graph
     (:mod:`cocodiff_xfuser.ulysses_collectives`), issued here, before Q and K are projected. A
-    V-Major or fp8 one is an operator of the graph, which returns a token for :func:`attention`
+    V-Major or fp8-slow one is an operator of the graph, which returns a token for :func:`attention`
     (the exchange in flight waits in the process's slot). ``ahead_of``: the tensors Q and K are
     computed from (one, or two with None for a missing second). The operator declares them
     written, which they are not, so that the graph computes Q and K after it: else inductor's
