@@ -55,7 +55,7 @@ CASES = [["a cat", 1], ["a dog", 2]]
 
 
 #: Jobs run again eagerly ("<job> eager"), for these of their backends.
-EAGER_TWINS = {"flux-u2": ("vmajor",)}
+EAGER_TWINS = {"flux-u2": ("vmajor", "cocodiff+vfirst")}
 
 
 def _generate(job: str, out: Path) -> Path:
@@ -166,6 +166,18 @@ def test_compiled_exact_layers_hold_functional_collectives_with_v_first_in_fligh
         assert in_flight == stock, (in_flight, stock)  # stock's graph, cocodiff's route
         return
     assert len(in_flight) % 3 == 0 and min(in_flight[0::3]) >= 2, in_flight
+
+
+def test_a_compiled_exact_job_counts_what_its_eager_twin_runs(generated):
+    # Its graphs count nothing when they run: what each one runs, counted when it was traced, is
+    # added after every transformer call; the eager twin counts every exchange as it runs. The
+    # compiled job also ran xDiT's compile warm-up: the same counts per transformer call, more calls.
+    compiled = _result(generated("flux-u2"), "flux-u2", "cocodiff+vfirst")["ran"]
+    eager = _result(generated("flux-u2 eager"), "flux-u2", "cocodiff+vfirst")["ran"]
+    calls = compiled["v_first_calls"] / eager["v_first_calls"]
+    assert eager["v_first_calls"] > 0 and calls >= 1, (compiled, eager)
+    assert {k: v / calls for k, v in compiled["labels"].items()} == eager["labels"], (compiled, eager)
+    assert compiled["slow_link_bytes_exact"] == eager["slow_link_bytes_exact"] * calls, (compiled, eager)
 
 
 def test_compiled_v_major_gives_the_eager_images(generated):
