@@ -1,4 +1,4 @@
-"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo``, ``topology``, ``plan``, ``check`` and ``bench {a2a,e2e,kernels,host}``."""
+"""The ``cocodiff`` command: ``verify``, ``quality``, ``demo``, ``topology``, ``plan``, ``check`` and ``bench {a2a,e2e,kernels,host,graphs}``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from cocodiff_xfuser.tools import topology_cli
 from cocodiff_xfuser.tools import plan as plan_tool
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
+from cocodiff_xfuser.tools.bench import graphs as bench_graphs
 from cocodiff_xfuser.tools.bench import host as bench_host
 from cocodiff_xfuser.tools.bench import kernels as bench_kernels
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS
@@ -102,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     host = kinds.add_parser("host", help="cocodiff's own host time per exchange and per layer, and the step against stock's, "
                             "eager and compiled (loopback)")
     bench_host.add_arguments(host)
+    graphs = kinds.add_parser("graphs", help="cocodiff's layers inside xDiT's compiled FLUX graph at real size, one rank of "
+                              "Ulysses 8 in one process (a fake process group): CUDA graph partitions, host and device time")
+    bench_graphs.add_arguments(graphs)
     e2e.add_argument("--model", choices=sorted(tiny_models.SPECS), default="tiny-flux")
     e2e.add_argument("--size", type=int, default=bench_e2e.DEFAULT_SIZE, help="image height and width")
     e2e.add_argument("--steps", type=int, default=bench_e2e.DEFAULT_STEPS)
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             return bench_kernels.run_cli(args)
         if args.command == "bench" and args.kind == "host":
             return bench_host.run_cli(args)
+        if args.command == "bench" and args.kind == "graphs":
+            return bench_graphs.run_cli(args)
         if args.command == "bench" and args.kind == "a2a":
             return bench_a2a.run_cli(args)
         if args.command == "topology":
