@@ -75,48 +75,40 @@ _ran = _Ran()
 
 
 # A compiled graph counts nothing when it runs: what it runs is counted when it is traced (:func:`traced`)
-# and added after each transformer call that ran it (:func:`call_began`, :func:`call_ended`).
-_tracing: list[tuple[str, tuple]] | None = None  # what the transformer call in progress traced
-_tallies: dict[tuple, _Ran] = {}  # transformer call signature -> what its graph counts per call
+# and added after each transformer call that ran it (:func:`call_ended`).
+_traced: list[tuple[str, tuple]] = []  # counted by the graphs traced since the last transformer call ended
+_tallies: dict[tuple, list[tuple[str, object]]] = {}  # transformer call signature -> what its graph counts per call
 
 
 @compat.trace_time
 def traced(name: str, *args: object) -> int:
     """Count ``name(*args)`` (a counting function of this module) each time the graph being traced
-    runs; outside a transformer call (a graph no call counts), once, now."""
-    if _tracing is None:
-        globals()[name](*args)
+    runs (after each transformer call: :func:`call_ended`); called eagerly, once, now."""
+    if torch.compiler.is_compiling():  # true while dynamo traces, and runs this in the graph's stead
+        _traced.append((name, args))
     else:
-        _tracing.append((name, args))
+        globals()[name](*args)
     return 0
 
 
-def call_began() -> None:
-    """A transformer call starts (on the host, before its graph runs): what it traces is its graph's."""
-    global _tracing
-    _tracing = []
-
-
 def call_ended(signature: tuple) -> None:
-    """The transformer call of ``signature`` (what selects its graph: input shapes) ended: count what
-    its graph runs (as traced in this call, or in the last call that traced it), in a few operations
+    """A transformer call of ``signature`` (what selects its graph: input shapes) ended: count what its
+    graph runs (as traced in this call, or in the last call that traced it), in a few operations
     however many layers it has."""
-    global _tracing, _ran
-    if _tracing:
+    global _ran
+    if _traced:
         total, _ran = _ran, _Ran()
-        for name, args in _tracing:
+        for name, args in _traced:
             globals()[name](*args)
-        _tallies[signature], _ran = _ran, total
-    _tracing = None
-    tally = _tallies.get(signature)
-    if tally is not None:
-        for f in fields(_Ran):
-            if f.name != "v_major":  # per (step, layer): not counted in graphs
-                counts = getattr(_ran, f.name)
-                if isinstance(counts, Counter):
-                    counts.update(getattr(tally, f.name))
-                else:
-                    setattr(_ran, f.name, counts + getattr(tally, f.name))
+        # Only what the graph counts: a handful of fields, added per call.
+        _tallies[signature] = [(f.name, getattr(_ran, f.name)) for f in fields(_Ran) if getattr(_ran, f.name)]
+        _ran = total
+        _traced.clear()
+    for name, counts in _tallies.get(signature, ()):
+        if isinstance(counts, Counter):
+            getattr(_ran, name).update(counts)
+        else:
+            setattr(_ran, name, getattr(_ran, name) + counts)
 
 
 def count_exchange(algorithm: str, label: str, slow_link_bytes: int = 0, slow_link_bytes_exact: int = 0) -> None:

@@ -238,23 +238,17 @@ _replaying: weakref.WeakSet = weakref.WeakSet()
 
 
 def _count_graph_calls(transformer: torch.nn.Module) -> None:
-    """Compiled, a transformer's graphs count nothing when they run: each call counts what its graph
-    counted when it was traced (:func:`cocodiff_xfuser.commstats.traced`), on the host around the graph."""
+    """Compiled, a transformer's graphs count nothing when they run: after each call, the host counts
+    what its graph counted when it was traced (:func:`cocodiff_xfuser.commstats.call_ended`)."""
     if transformer in _replaying:
         return
     _replaying.add(transformer)
 
-    @torch.compiler.disable
-    def before(module, args, kwargs) -> None:
-        commstats.call_began()
-
-    @torch.compiler.disable
+    @torch.compiler.disable  # on the host, between the transformer's graphs
     def after(module, args, kwargs, output) -> None:
         # What selects the call's graph: its module and its inputs' shapes.
-        shapes = tuple(tuple(v.shape) for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
-        commstats.call_ended((id(module), shapes))
+        commstats.call_ended((id(module), *[v.shape for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]))
 
-    transformer.register_forward_pre_hook(before, with_kwargs=True)
     transformer.register_forward_hook(after, with_kwargs=True)
 
 
