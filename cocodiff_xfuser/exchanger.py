@@ -232,9 +232,9 @@ class Exchanger:
         return self.start_sparse(chunks, rows, every, torch.empty_like(chunks), label, residual=False,
                                  decode=lambda packed: compress.unpack_rows(packed, x.dtype), kind="fp8-slow")
 
-    # The handles and the buffer pool are Python state that torch.compile cannot trace; keep
-    # the exchange out of compiled graphs (a graph break, as a stock collective wait would be).
-    @torch.compiler.disable
+    # The handles and the buffer pool are Python state that torch.compile cannot trace: these
+    # exchanges run only eagerly, from the processors' entry points that a graph does not trace
+    # (disabled for dynamo), the operators' kernels, and xfuser's routed exchange run eagerly.
     def start(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data;
         the wire's values: the V-First processors, its callers, round them where V-Major reads them)."""
@@ -244,7 +244,6 @@ class Exchanger:
         started = self.finish(lambda: route.start(flat), label, route.algorithm, route.where)
         return self._pending_handle(Exchange(self, started, x.shape, label, route.algorithm, route.where, unpack))
 
-    @torch.compiler.disable
     def start_heads(self, tensors: tuple[torch.Tensor, ...], label: str) -> Exchange:
         """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
@@ -277,7 +276,6 @@ class Exchanger:
         started = self.finish(lambda: route.start(data, **extra), label, algorithm, route.where)
         return self._pending_handle(Exchange(self, started, shape, label, algorithm, route.where, unpack))
 
-    @torch.compiler.disable
     def start_sparse(
         self, x: torch.Tensor, rows: sparse.Rows, selection: sparse.Selection, into: torch.Tensor, label: str, residual: bool,
         by_receiver: bool = False, learn_peers: bool = False,
@@ -303,7 +301,6 @@ class Exchanger:
         commstats.count_exchange(algorithm, label, slow_link_bytes=exchange.slow_bytes, slow_link_bytes_exact=exchange.exact_bytes)
         return self._pending_handle(Exchange(self, exchange, into.shape, label, algorithm, where, peers=exchange.peers))
 
-    @torch.compiler.disable
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
         x = transport.wire_values(x)
@@ -369,7 +366,6 @@ class Exchanger:
         (``row``: the elements of one token of K and of V, where they are alike)."""
         return ring.Rotater(group, lambda buffer: self.start_ring(buffer, group, row))
 
-    @torch.compiler.disable
     def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup, row: int | None = None) -> Exchange:
         """Start the all-gather of ``buffer`` over the ring ``group``: ``[ring size, n]``
         (:mod:`.comm.ring`); under V-Major on the ring, peers on other nodes exchange step residuals."""

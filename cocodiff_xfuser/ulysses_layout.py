@@ -40,6 +40,7 @@ def sequence(exchanged: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     compiled graph's operator may not return outputs that alias."""
     world, _, b, local_heads, s, d = exchanged.shape
     # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d], per tensor
-    out = tuple(exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n))
-    commstats.count_copy(sum(t.numel() * t.element_size() for t in out))
+    # (A list, not a generator: a generator's every step is a Python call per layer.)
+    out = tuple([exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n)])
+    commstats.count_copy(n * out[0].numel() * out[0].element_size())
     return out

@@ -68,11 +68,12 @@ class PendingExchange:
         world = exchanger.world_size
         head_count = tensors[0].shape[1]
         # As they cross the wire (bf16 values in the emulated clusters): V-Major compares and caches those.
-        tensors = tuple(transport.wire_values(padding.pad_heads(t, world)) for t in tensors)
+        # (Lists, not generators, here and below: a generator's every step is a Python call per layer.)
+        tensors = tuple([transport.wire_values(padding.pad_heads(t, world)) for t in tensors])
         b, h, s, d = tensors[0].shape
         self._n = len(tensors)
         self._label = label
-        self._nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._nbytes = len(tensors) * tensors[0].numel() * tensors[0].element_size()  # alike in shape
         padding.count(self._nbytes, head_count, h)
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
@@ -137,13 +138,11 @@ class PendingExchange:
     def _result(self) -> torch.Tensor:
         return self._handle.wait() if self._covered is None else self._covered.wait(self._name)
 
-    @torch.compiler.disable
     def advance(self) -> None:
         """Launch the exchange's next phase (the slow links; on NCCL/XCCL without blocking the host)."""
         if self._exchanged is None and self._handle is not None:
             self._handle.advance()
 
-    @torch.compiler.disable
     def wait(self) -> tuple[torch.Tensor, ...]:
         waited = time.perf_counter()
         self.start_alone()  # a V that nothing carried
@@ -506,7 +505,7 @@ def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: S
     local = _local_reason(extra)
     # Kept by the job's exchanger, never on the model: a new job agrees again.
     agreed = exchanger.agreed
-    key = (id(processor), tuple(None if t is None else (t.shape, t.dtype) for t in inputs), local)
+    key = (id(processor), tuple([None if t is None else (t.shape, t.dtype) for t in inputs]), local)
     if key not in agreed:
         device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
         anyone = any_rank(local is not None, exchanger.group, device)
