@@ -1,16 +1,16 @@
 """A compiled layer's exact Ulysses exchanges, as the graph holds them: functional collectives.
 
 Traced by torch.compile, a layer whose exchanges are exact or fp8 on every link (no V-Major, no
-fp8-slow, no padded tokens: :func:`applies`) holds plain traceable torch: each exchange is ``all_to_all_single`` over the
-Ulysses group, or TAPA's one per topology level (:mod:`cocodiff_xfuser.comm.functional`), which
-inductor schedules and a CUDA graph captures, as it does stock's; no operator of cocodiff's, no host
-read, and no Python when the graph runs. V-First is program order: V's all-to-all is written before
-Q and K are projected (:func:`start`) and waited for where attention reads it (:func:`exchange_inputs`);
-xDiT's overlap passes (``raise_comms``, ``sink_waits``) keep it so. What an exchange needs to know
-is fixed when the graph is traced: its route (flat or TAPA's levels,
-:meth:`~cocodiff_xfuser.exchanger.Exchanger.graph_route`, measured once per size with real buffers),
-and what ran, counted then and replayed per transformer call (:func:`cocodiff_xfuser.commstats.traced`).
-Eagerly the processors take the exchanger's handles.
+fp8-slow, no padded tokens, no ring: :func:`applies`) holds plain traceable torch: each
+exchange is ``all_to_all_single`` over the Ulysses group, or TAPA's one per topology level
+(:mod:`cocodiff_xfuser.comm.functional`), which inductor schedules and a CUDA graph captures, as it
+does stock's; no operator of cocodiff's, no host read, and no Python when the graph runs. V-First
+is program order: V's all-to-all is written before Q and K are projected (:func:`start`) and waited
+for where attention reads it (:func:`exchange_inputs`); xDiT's overlap passes (``raise_comms``,
+``sink_waits``) keep it so. What an exchange needs to know is fixed when the graph is traced: its
+route (flat or TAPA's levels, :meth:`~cocodiff_xfuser.exchanger.Exchanger.graph_route`, measured
+once per size with real buffers), and what ran, counted then and added per transformer call
+(:func:`cocodiff_xfuser.commstats.traced`). Eagerly the processors take the exchanger's handles.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from cocodiff_xfuser.exchanger import Exchanger
 
 def applies(exchanger: Exchanger, layer: object | None) -> bool:
     """Whether a traced layer's exchanges are functional collectives: no V-Major ``layer``, exact or
-    fp8 on every link (fp8-slow's rows travel as V-Major's do), and no padded tokens in the running
-    forward (whose trim keeps a host-side index)."""
-    return layer is None and exchanger.options.compress in ("none", "fp8") and not padding.tokens_padded()
+    fp8 on every link (fp8-slow's rows travel as V-Major's do), no padded tokens in the running
+    forward (whose trim keeps a host-side index), and no ring. Under a ring the graph breaks at the
+    ring attention (in stock too) and dynamo traces the layer's pieces as frames of their own, again
+    per block type with dynamic sizes, which a graph cannot name when it is traced: operators there."""
+    return (layer is None and exchanger.ring_group is None and exchanger.options.compress in ("none", "fp8")
+            and not padding.tokens_padded())
 
 
 @compat.trace_time
@@ -82,7 +85,7 @@ def wait(pending: InFlight) -> tuple[torch.Tensor, ...]:
     world, n, b, local_heads, s, d = pending.exchanged.shape
     # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d], per tensor
     out = tuple(pending.exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n))
-    commstats.traced("count_copy", sum(t.numel() * t.element_size() for t in out))
+    commstats.traced("count_copy", n * out[0].numel() * out[0].element_size())
     return out
 
 

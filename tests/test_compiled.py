@@ -147,7 +147,8 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
 TRACED = ("cocodiff", "cocodiff+vfirst", "fp8")
 
 
-@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b in TRACED])
+# Not under a ring: there the graph breaks at the ring attention and the layer's exchanges stay operators.
+@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b in TRACED and spec[2] == 1])
 def test_compiled_exact_layers_hold_functional_collectives_with_v_first_in_flight(generated, job, backend):
     # The generated code (FLUX under xDiT's reduce-overhead mode, Wan under the default one, with
     # xDiT's compute/communication overlap passes): no operator of cocodiff's, no host read, every
@@ -161,7 +162,7 @@ def test_compiled_exact_layers_hold_functional_collectives_with_v_first_in_fligh
     stock = exchanges_in_flight(json.loads((output_dir(out, tiny_models.SPECS[JOBS[job][0]].model_id, "ulysses")
                                             / "inductor_code.json").read_text()))
     ran = _result(out, job, backend)["ran"]
-    assert set(ran["exchanges"]) <= {"flat", "hierarchical"}, ran
+    assert set(ran["exchanges"]) - {"ring all-gather"} <= {"flat", "hierarchical"}, ran  # the ring's K/V stay eager
     if backend == "cocodiff":
         assert in_flight == stock, (in_flight, stock)  # stock's graph, cocodiff's route
         return
