@@ -28,6 +28,9 @@ One exchange of ``x`` bytes per rank over a group is priced per link level:
   ``R - 1`` times per layer, hidden behind attention compute where it fits. V-Major's own kernels
   are priced from ``bench kernels`` on one H100, scaled by memory bandwidth on other GPUs, and the
   plan says below which link speed the bytes they save are worth their time.
+* **host time** per attention layer, stock's and each cocodiff configuration's: ``bench host``'s
+  exact counts per layer (Python calls, torch operators, Triton launches) at what one of each cost
+  an H200's host, added in full to the step (an upper bound: a GPU runs behind its host).
 
 Validation (``--validate``): every shipped measurement in ``docs/results`` the model can predict
 (a2a: flat and hierarchical at every size, fabric and shape, and the chosen exchange where it is
@@ -67,8 +70,13 @@ DEFAULT_TFLOPS = 200.0
 V_MAJOR_SWEEP = "sweep-v-major-budget-digits-flux.json"
 #: V-Major on the ring's K/V: the share of tokens sent, from this shipped quality run at the defaults.
 RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
-#: ``cocodiff bench host``'s run the planner prices cocodiff's own host time from.
+#: ``cocodiff bench host``'s run whose counts per attention layer (eager: Python calls, torch
+#: operators, V-Major's Triton launches) the planner prices host time from, stock's and cocodiff's.
 HOST_RUN = "host-tiny-flux.json"
+#: What one of each costs a GPU's host (one H200's; the file says how each was measured or derived).
+HOST_COSTS = "host-costs-h200.json"
+#: The configurations whose host time per layer the planner prices, as :data:`HOST_RUN` names them.
+HOST_CONFIGS = {"stock": "ulysses", "cocodiff": "cocodiff", "v_first": "cocodiff+vfirst", "v_major": "cocodiff+vfirst+vmajor"}
 #: V-Major's own work per layer on the GPU (change sums, ranking, int4 encode, apply), as ``bench
 #: kernels`` measured it on one GPU replayed from CUDA graphs (the device's own time; the host's,
 #: launches included, is priced apart from :data:`HOST_RUN`): the shipped runs, fitted per byte of
@@ -688,16 +696,17 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
             pad = math.ceil(spec.heads / U) * U / spec.heads
             seqs = [(n, img + (txt if j else 0)) for n, j in spec.attn]
             compute = b * sum(n * layer_flops(spec, s, s / (U * R), pad) for n, s in seqs) / (tf * 1e12)
-            # cocodiff's own host time: every Ulysses exchange of the step and, with a ring, each
-            # layer's K/V gather (added in full: an upper bound, measured on a 2-core CPU host).
-            host_s = (sum(coco["algorithms"].values()) + (layers if R > 1 else 0)) * host["exchange_s"]
+            # The host's time, added in full (an upper bound: a GPU runs behind its host), per
+            # layer as bench host counted it on a Ulysses layer (a ring's own host work is not in it).
+            host_s = layers * host["v_first" if coco is vfirst and U > 1 else "cocodiff"]
+            stock_host_s = layers * host["stock"]
             rows.append({
                 "ulysses": U, "ring": R, "cfg": C, "head_padding": pad, "pad_bytes_overhead": pad - 1,
                 "bytes_per_step": coco["bytes"], "stock_comm_s": stock["comm_s"] + ring_s,
                 "tapa_comm_s": tapa["comm_s"] + ring_s, "cocodiff_comm_s": coco["comm_s"] + ring_s,
                 "v_first": coco is vfirst and U > 1, "v_hidden_s": coco["v_hidden_s"], "ring_s": ring_s, "algorithms": coco["algorithms"],
                 "compute_s": compute, "host_s": host_s, "step_s": compute + coco["comm_s"] + ring_s + host_s,
-                "stock_step_s": compute + stock["comm_s"] + ring_s,
+                "stock_host_s": stock_host_s, "stock_step_s": compute + stock["comm_s"] + ring_s + stock_host_s,
                 "ring_bytes_per_step": sum(n * nb for (n, nb), _ in coco["ring"]),
                 # With V-Major on the ring's K/V (lossy; None where the ring stays inside a node).
                 "ring_v_major_step_s": None if ring_v_major_s is None else compute + coco["comm_s"] + ring_v_major_s + host_s,
@@ -720,8 +729,9 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
             "tokens": {"image": img, "text": txt}, "calibrated": calibrated, "calibration": calibration,
             "coefficients": c.source,
             "compute_estimate": f"FLOPs at {tf:g} TFLOP/s per rank (assumed)", "ranked": rows,
-            "host": {**host, "source": f"cocodiff's own host time from `cocodiff bench host` ({HOST_RUN}, eager, a "
-                                        "2-core CPU host, tiny shapes), added in full to cocodiff's steps: an upper bound"},
+            "host": {**host, "source": f"`cocodiff bench host`'s counts per layer ({HOST_RUN}, eager, tiny-flux on "
+                                        f"Ulysses 2) at one H200 host's cost per Python call, torch operator and Triton "
+                                        f"launch ({HOST_COSTS}), added in full to every step: an upper bound"},
             "recommended": {"flags": " ".join(flags), "backend": "stock" if stock_wins else "cocodiff",
                             **{k: chosen[k] for k in ("ulysses", "ring", "cfg")}},
             "best_stock": best_stock,
@@ -747,7 +757,8 @@ def v_major_plan(spec: ModelSpec, full: Cluster, c: Coeffs, rows: List[dict], cl
                         * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn)
 
     def work_s(row: dict, tensors: int) -> float:
-        return kernels_s(row, tensors) + spec.layers * host["v_major_layer_s"]
+        # V-Major runs on V-First's layer: its host time is what its layer adds to that one's.
+        return kernels_s(row, tensors) + spec.layers * (host["v_major"] - host["v_first"])
 
     def section(row: dict, tensors: int, slow_bytes: float, measured: dict, comm_s: float, layout: Optional[str],
                 on: str) -> dict:
@@ -853,12 +864,12 @@ def ring_v_major_measured() -> dict:
 
 
 def host_costs() -> dict:
-    """cocodiff's own host time in seconds (:data:`HOST_RUN`, eager, on this project's 2-core CPU
-    host): per exact exchange (stock's processors over cocodiff's exchange) and per V-Major layer
-    (V-First's exchanges and V-Major's bookkeeping)."""
-    rows = {r["name"]: r["eager"] for r in json.loads((RESULTS_DIR / HOST_RUN).read_text())["configs"]}
-    return {"exchange_s": rows["cocodiff"]["host_s_per_exchange"],
-            "v_major_layer_s": rows["cocodiff+vfirst+vmajor"]["host_s_per_layer"]}
+    """Host seconds per attention layer of each of :data:`HOST_CONFIGS`: its counts per layer
+    (:data:`HOST_RUN`, eager) at a GPU host's cost of each (:data:`HOST_COSTS`)."""
+    cost = json.loads((RESULTS_DIR / HOST_COSTS).read_text())
+    rows = {r["name"]: r["eager"]["counts"] for r in json.loads((RESULTS_DIR / HOST_RUN).read_text())["configs"]}
+    return {key: rows[name]["python_calls_per_layer"] * cost["python_call_s"] + rows[name]["torch_ops_per_layer"] * cost["torch_op_s"]
+            + rows[name]["kernel_launches_per_layer"] * cost["triton_launch_s"] for key, name in HOST_CONFIGS.items()}
 
 
 def v_major_defaults() -> dict:
@@ -920,8 +931,8 @@ def run_cli(args: argparse.Namespace) -> int:
           f"{rep['tokens']['text']} text tokens; {rep['cluster']} x{rep['nodes']} = {rep['world']} ranks ({rep['levels']})")
     print(f"links: {rep['coefficients']}; compute: {rep['compute_estimate']}")
     host = rep["host"]
-    print(f"host: {host['exchange_s'] * 1e6:.0f} us per exchange, {host['v_major_layer_s'] * 1e6:.0f} us per V-Major layer: "
-          f"{host['source']}")
+    print("host per attention layer: " + ", ".join(f"{key.replace('_', '-')} {host[key] * 1e6:.0f} us" for key in HOST_CONFIGS)
+          + f" ({host['source']})")
     print(f"{'U':>3} {'R':>3} {'cfg':>3} {'pad':>6} {'MiB/step':>9} {'stock ms':>9} {'tapa ms':>8} {'cocodiff ms':>11} "
           f"{'V hidden':>8} {'ring ms':>7} {'host ms':>7} {'compute':>8} {'stock step':>10} {'step ms':>8}")
     for r in rep["ranked"]:

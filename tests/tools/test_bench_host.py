@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import tqdm
 
 from cocodiff_xfuser.settings import Budget
 from cocodiff_xfuser.tools import cli
@@ -78,10 +79,78 @@ def test_the_kernels_stand_ins_compute_what_the_torch_reference_does(monkeypatch
     assert timer._excluded > 0
 
 
+def _leaf() -> None:
+    pass
+
+
+def _branch() -> None:
+    _leaf()
+    _leaf()
+
+
+@pytest.fixture(scope="module")
+def operators():
+    """Two operator namespaces of Python kernels: one as cocodiff's exchange operators (host code),
+    one as its kernel operators (a CPU kernel standing for a launch)."""
+    libraries = []
+    for namespace in ("cocodiff_bench_ops", "cocodiff_bench_kernels"):
+        library = torch.library.Library(namespace, "DEF")
+        library.define("twice(Tensor x) -> Tensor")
+
+        def twice(x):
+            _leaf()
+            return x * 2
+
+        library.impl("twice", twice, "CPU")
+        libraries.append(library)
+    yield torch.ops.cocodiff_bench_ops.twice, torch.ops.cocodiff_bench_kernels.twice
+    del libraries
+
+
+@pytest.mark.unit
+def test_python_calls_are_counted_to_the_call(operators, monkeypatch):
+    from cocodiff_xfuser.comm import residuals
+
+    monkeypatch.setattr(host, "KERNEL_OPS", "cocodiff_bench_kernels")
+    _, kernel = operators
+    x = torch.ones(2)
+    stood_in = host._StandIn(lambda t: _branch(), host._Timer())
+    kernel(x), kernel.default(x)  # the operator objects made before counting
+    bar = tqdm.tqdm(range(2), mininterval=0, disable=False)
+    with host._PythonCalls() as python:
+        _branch()  # 3 calls
+        residuals.group_size(64)  # 1, cocodiff's own
+        stood_in[(1,)](x)  # a launch: the device's work, none of its calls
+        bar.update()  # a progress bar redraws by the clock: none
+        kernel(x)  # 1 (the operator's Python wrapper) and, apart, its CPU kernel's 2
+        kernel.default(x)  # the same through the overload
+    assert python.counts == {"all": 6, "cocodiff": 1, "in_kernel_ops": 4}
+
+
+@pytest.mark.unit
+def test_operators_dispatched_from_host_code_are_counted(operators, monkeypatch):
+    monkeypatch.setattr(host, "OPERATORS", "cocodiff_bench_ops")
+    monkeypatch.setattr(host, "KERNEL_OPS", "cocodiff_bench_kernels")
+    ops, kernel = operators
+    x = torch.ones(2, 2)
+    stood_in = host._StandIn(lambda t: (t + 1).sum(), host._Timer())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        y = torch.nn.functional.linear(x, x)  # 1: its transpose and mm are its C++ kernel's
+        ops(y + 1)  # add, the operator and the mul its Python kernel dispatches
+        kernel(y)  # the operator; its kernel's mul apart
+        stood_in[(1,)](y)  # none
+    assert host._dispatches(profile.events()) == {
+        "torch_ops": {"aten": 3, "cocodiff_bench_ops": 1, "cocodiff_bench_kernels": 1}, "in_kernel_ops": 1, "inductor_kernels": 0}
+
+
 @pytest.mark.unit
 def test_an_unknown_mode_is_one_line(capsys):
     assert cli.main(["bench", "host", "--modes", "eager,graph"]) == 2
     assert capsys.readouterr().err.strip() == "cocodiff bench host: --modes: graph not among eager, compiled"
+
+
+def _integers(counted: dict) -> bool:
+    return all(_integers(v) if isinstance(v, dict) else isinstance(v, int) for v in counted.values())
 
 
 @pytest.mark.slow
@@ -110,3 +179,21 @@ def test_the_report_gives_every_configuration_eager_and_compiled(capsys):
             assert (m["kernel_launches_per_layer"] > 0) == (name == "cocodiff+vfirst+vmajor"), (name, mode, m)
             # Eager, beside stock's host time per layer in the same round.
             assert ("host_layer_vs_stock" in m) == (mode == "eager"), (name, mode, m)
+        for name in ("ulysses", *host.CONFIGS):
+            counts = rows[name][mode]["counts"]
+            assert counts["layers_per_step"] == 4 and counts["python_calls_per_layer"] > 0 and counts["torch_ops_per_layer"] > 0
+            assert all(_integers(rank) for ranks in counts["calls"].values() for rank in ranks), (name, mode)
+            # Compiled, inductor's own kernels are counted, and stock's layer is traced whole.
+            assert (counts["inductor_kernels_per_layer"] > 0) == (mode == "compiled"), (name, mode)
+            if name == "ulysses" and mode == "compiled":
+                assert counts["python_calls_cocodiff_per_layer"] == 0
+            assert (counts["kernel_launches_per_layer"] > 0) == (name == "cocodiff+vfirst+vmajor"), (name, mode)
+    targets = {(t["mode"], t["config"], t["target"]): t["met"] for t in report["count_targets_met"]}
+    assert len(targets) == 8 and all(isinstance(met, bool) for met in targets.values())  # 3 eager, 2 + 3 compiled
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_counts_are_the_same_in_two_runs(tmp_path):
+    first, second = (host._counts("cocodiff/tiny-flux", False, tmp_path / run, host.TIMEOUT_S) for run in ("first", "second"))
+    assert {name: c["calls"] for name, c in first.items()} == {name: c["calls"] for name, c in second.items()}

@@ -209,17 +209,38 @@ def test_the_planner_reads_the_shipped_measurements():
 
 
 def _no_host_time(monkeypatch) -> None:
-    monkeypatch.setattr(plan, "host_costs", lambda: {"exchange_s": 0.0, "v_major_layer_s": 0.0})
+    monkeypatch.setattr(plan, "host_costs", lambda: dict.fromkeys(plan.HOST_CONFIGS, 0.0))
 
 
-def test_cocodiffs_host_time_is_priced_and_can_make_stock_the_recommendation(monkeypatch):
+def test_the_host_costs_per_call_are_the_h200_runs():
+    cost = json.loads((plan.RESULTS_DIR / plan.HOST_COSTS).read_text())
+    measured = {k: v * 1e-6 for k, v in json.loads((plan.RESULTS_DIR / "launch-host-h200.json").read_text()).items()
+                if isinstance(v, float)}
+    assert cost["torch_op_s"] == measured["torch add_"] and cost["triton_launch_s"] == measured["bare triton launch (1 arg)"]
+    # A Python call: the V-Major wrappers' host time less their operators' and launches', over their calls.
+    wrappers = cost["python_call_derivation"]
+    python = {name: measured[name] - w["allocations_and_views"] * measured["torch empty"] - w["other_operators"] * measured["torch add_"]
+              - w["triton_launches"] * measured["bare triton launch (1 arg)"] for name, w in wrappers.items()}
+    assert cost["python_call_s"] == pytest.approx(sum(python.values()) / sum(w["python_calls"] for w in wrappers.values()))
+    assert all(0 < python[name] / w["python_calls"] < 1e-6 for name, w in wrappers.items())
+
+
+def test_host_time_is_priced_for_stock_and_cocodiff_and_can_make_stock_the_recommendation(monkeypatch):
     measured = plan.host_costs()
-    assert measured["exchange_s"] > 0 and measured["v_major_layer_s"] > measured["exchange_s"]
+    cost = json.loads((plan.RESULTS_DIR / plan.HOST_COSTS).read_text())
+    counts = {r["name"]: r["eager"]["counts"] for r in json.loads((plan.RESULTS_DIR / plan.HOST_RUN).read_text())["configs"]}
+    for key, name in plan.HOST_CONFIGS.items():  # counted per layer, at a GPU host's cost of each
+        c = counts[name]
+        assert measured[key] == pytest.approx(c["python_calls_per_layer"] * cost["python_call_s"] + c["torch_ops_per_layer"]
+                                              * cost["torch_op_s"] + c["kernel_launches_per_layer"] * cost["triton_launch_s"])
+    assert 0 < measured["stock"] and measured["v_first"] < measured["v_major"]
     rep = plan.plan("flux-dev", 1024, cluster="dgx-h100", nodes=2)
-    for row in rep["ranked"]:  # every Ulysses exchange of a step and, with a ring, every layer's K/V gather
-        exchanges = sum(row["algorithms"].values()) + (sum(n for n, _ in plan.MODELS["flux-dev"].attn) if row["ring"] > 1 else 0)
-        assert row["host_s"] == pytest.approx(exchanges * measured["exchange_s"])
+    layers = sum(n for n, _ in plan.MODELS["flux-dev"].attn)
+    for row in rep["ranked"]:
+        assert row["host_s"] == pytest.approx(layers * measured["v_first" if row["v_first"] else "cocodiff"])
+        assert row["stock_host_s"] == pytest.approx(layers * measured["stock"])
         assert row["step_s"] == pytest.approx(row["compute_s"] + row["cocodiff_comm_s"] + row["host_s"])
+        assert row["stock_step_s"] == pytest.approx(row["compute_s"] + row["stock_comm_s"] + row["stock_host_s"])
     if rep["recommended"]["backend"] == "stock":
         assert "--sp-backend" not in rep["recommended"]["flags"] and rep["speedup_vs_best_stock"] == 1.0
         assert rep["ranked"][0]["step_s"] >= rep["best_stock"]["stock_step_s"]
@@ -307,6 +328,7 @@ def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
     assert "cocodiff_xfuser/configs/dgx-h100.yaml" in names and "cocodiff_xfuser/configs/policies/v-major.yaml" in names
     assert sum(n.startswith("cocodiff_xfuser/results/a2a-") for n in names) == 9
     assert f"cocodiff_xfuser/results/{plan.V_MAJOR_SWEEP}" in names and f"cocodiff_xfuser/results/{plan.HOST_RUN}" in names
+    assert f"cocodiff_xfuser/results/{plan.HOST_COSTS}" in names
     assert sum(n.startswith("cocodiff_xfuser/results/kernels-") for n in names) == 3
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = ("import sys, cocodiff_xfuser; assert cocodiff_xfuser.__file__.startswith(sys.argv[1]); "

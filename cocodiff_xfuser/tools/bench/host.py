@@ -1,8 +1,9 @@
-"""``cocodiff bench host``: cocodiff's own host time per exchange and per attention layer, and the
-step against stock's, eager and compiled, on loopback with shapes whose device work is negligible.
+"""``cocodiff bench host``: cocodiff's own host time per exchange and per attention layer, the step
+against stock's, and what the host does per layer, counted, for stock and every configuration,
+eager and compiled, on loopback with shapes whose device work is negligible.
 
 On a GPU a FLUX layer computes in a fraction of a millisecond, so the Python an exchange runs is
-time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds of torchrun jobs
+time the device waits for. Per mode (eager, ``--use_torch_compile``), three kinds of torchrun jobs
 (2 ranks as topology 2x1, so V-Major is active; one job at a time):
 
 * **steps**: stock and every configuration in one job (``generate --repeat``): each one's median
@@ -27,7 +28,31 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), two kinds 
   would count as host time on this CPU); ``kernel_launches_per_layer``: the launches a GPU's host
   makes besides. For reference, stock eager is timed the same way in xfuser's own exchange
   functions (the input and output all-to-all: layouts around the collective, which is stood in
-  for); compiled, they are traced into the graph.
+  for); compiled, they are traced into the graph;
+* **counts** (``counts``: deterministic, where the timings move by 20-40% between runs here): two
+  jobs of stock and every configuration, alike but for their steps (:data:`COUNT_STEPS`), with the
+  exact exchange on the backend's own all-to-all (``flat``: what a GPU's backend runs, and no
+  timed choice that could differ between jobs), and the batches' and collectives' real Python. Of
+  each backend's last two pipeline calls, the first counts its Python calls (``sys.setprofile``)
+  and the second the torch operators it dispatches (``torch.profiler``'s CPU events: the
+  profiler's own Python would count as calls); the longer job's count less the shorter's, over the
+  attention layers of the steps between and the mean over the ranks, is what a layer costs at
+  steady state (prompt encoding, the VAE, the set-up cancel; each step's own work is spread over
+  its layers). **Python calls**: every function call of the main thread (generator resumptions
+  included), and apart those of cocodiff's own modules; this tool's frames, everything under a
+  stood-in launch and tqdm's progress bar (it redraws by the clock) are not counted, nor, apart,
+  calls inside :data:`KERNEL_OPS` operators (their CPU kernels; on a GPU, a Triton launch).
+  **Operators** per namespace (``aten``, ``cocodiff``,
+  :data:`KERNEL_OPS`, the collectives'): each one host code dispatched, from Python or from a
+  compiled graph's code (its extern kernels), and those :data:`OPERATORS`' Python kernels
+  dispatch; apart, those inside :data:`KERNEL_OPS` operators, and a compiled graph's own kernels
+  (``inductor_kernels``: C++ here, named by inductor's kernel profile; Triton launches on a GPU).
+  Missed: what an operator's C++ kernel calls (``aten::linear``'s ``mm``: not host code's
+  dispatch), a compiled graph's allocations and tensor reinterpretations (no operators), and
+  C++ work that is neither (gloo's threads, a graph's guards). **Launches**: V-Major's Triton
+  launches (commstats), each stood in for as above. The path is this host's: gloo posts
+  point-to-point messages one by one where NCCL batches them. ``count_targets_met``: the issue's
+  targets for them (:data:`COUNT_TARGETS`), each met or not.
 
 Configurations are named as ``tools/generate.py``'s backends are.
 """
@@ -38,6 +63,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import statistics
 import struct
 import sys
@@ -56,6 +82,19 @@ TARGETS = {
     "host_s_per_layer_v_major": 100e-6,
     "step_ratio": {"cocodiff": 1.05, "cocodiff+vfirst": 1.15, "cocodiff+vfirst+vmajor": 1.20},
 }
+#: The issue's targets for the deterministic counts: each configuration's Python calls per layer
+#: at most this many times stock's, per mode; compiled, none of them in cocodiff's own modules.
+COUNT_TARGETS = {
+    "python_calls_vs_stock": {"eager": {"cocodiff": 1.1, "cocodiff+vfirst": 1.2, "cocodiff+vfirst+vmajor": 1.5},
+                              "compiled": {"cocodiff": 1.1, "cocodiff+vfirst": 1.1}},
+    "python_calls_cocodiff_compiled": 0,
+}
+#: The two counting jobs' step counts: their difference leaves what every step repeats.
+COUNT_STEPS = (4, 8)
+#: cocodiff's exchange operators: their Python kernels run on the host on any device.
+OPERATORS = "cocodiff"
+#: V-Major's Triton operators: their CPU kernels stand for the device's work (a launch on a GPU).
+KERNEL_OPS = "cocodiff_kernels"
 DEFAULT_STEPS = 12
 DEFAULT_REPEAT = 5
 DEFAULT_ROUNDS = 3
@@ -100,6 +139,48 @@ def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out:
     }
 
 
+def _counts(model: str, compiled: bool, out: Path, timeout: float) -> dict[str, dict]:
+    """Per configuration (stock first), what its host does per attention layer at steady state,
+    counted: the last calls of two jobs that differ only in their steps (:data:`COUNT_STEPS`), the
+    difference over the attention layers of the steps between, the mean over the ranks; and the
+    jobs' own counts (``calls``, per job's steps, per rank)."""
+    backends = ("ulysses", *CONFIGS)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = out / "variants.json"
+    # The exact exchange forced to the backend's own all-to-all, what a GPU's backend runs: the
+    # autotune's timed choice may differ between jobs, and the counts with it.
+    variants.write_text(json.dumps({c: {**generate.VARIANTS[c], "cocodiff_a2a": "flat"} for c in CONFIGS}))
+    jobs = {}
+    for steps in COUNT_STEPS:
+        argv = ["-m", "cocodiff_xfuser.tools.bench.host", "--count", "--out", str(out / str(steps)), "--backends", ",".join(backends),
+                "--variants", str(variants), "--repeat", "2", *_runner_argv(model, steps, compiled)]
+        launcher.torchrun(2, argv, timeout=timeout)
+        jobs[steps] = [json.loads(p.read_text()) for p in sorted((out / str(steps)).glob(f"rank*-{_COUNTS}"))]
+    few, many = (jobs[steps] for steps in COUNT_STEPS)
+    steps = COUNT_STEPS[1] - COUNT_STEPS[0]
+    # Stock's processors exchange twice per layer (compiled stock's exchanges are traced: not counted).
+    layers = statistics.fmean(m["cocodiff"]["exchanges"] - f["cocodiff"]["exchanges"] for f, m in zip(few, many)) / 2 / steps
+
+    def per_layer(config: str, count) -> float:
+        return statistics.fmean(count(m[config]) - count(f[config]) for f, m in zip(few, many)) / (steps * layers)
+
+    found = {}
+    for config in backends:
+        namespaces = sorted({ns for job in few + many for ns in job[config]["torch_ops"]})
+        found[config] = {
+            "layers_per_step": layers,
+            **{f"{key}_per_layer": per_layer(config, lambda c, key=key: c[key])
+               for key in ("python_calls", "python_calls_cocodiff", "python_calls_in_kernel_ops")},
+            "torch_ops_per_layer": per_layer(config, lambda c: sum(c["torch_ops"].values())),
+            "torch_ops_by_namespace_per_layer": {ns: per_layer(config, lambda c, ns=ns: c["torch_ops"].get(ns, 0)) for ns in namespaces},
+            "torch_ops_in_kernel_ops_per_layer": per_layer(config, lambda c: c["in_kernel_ops"]),
+            "inductor_kernels_per_layer": per_layer(config, lambda c: c["inductor_kernels"]),
+            "kernel_launches_per_layer": per_layer(config, lambda c: c["kernels"]),
+            "calls": {str(s): [job[config] for job in jobs[s]] for s in COUNT_STEPS},
+        }
+    return found
+
+
 def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: float = TIMEOUT_S, rounds: int = DEFAULT_ROUNDS) -> dict:
     """The report: per configuration (stock first) and mode, the step, its ratio to stock's (medians
     over ``rounds`` jobs, each ratio within its job) and, for cocodiff's, its own host time per
@@ -123,7 +204,28 @@ def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: fl
                 if not compiled:
                     vs_stock = [h[config]["host_s_per_layer"] / h["ulysses"]["host_s_per_layer"] for h in hosts]
                     rows[config][mode].update(host_layer_vs_stock=statistics.median(vs_stock), host_layer_vs_stock_rounds=vs_stock)
-    return {"model": model, "steps": steps, "repeat": repeat, "rounds": rounds, "targets": TARGETS, "configs": list(rows.values())}
+            for config, counts in _counts(model, compiled, Path(tmp) / f"counts-{mode}", timeout).items():
+                rows[config][mode]["counts"] = counts
+    return {"model": model, "steps": steps, "repeat": repeat, "rounds": rounds, "targets": TARGETS, "count_steps": list(COUNT_STEPS),
+            "count_targets": COUNT_TARGETS, "count_targets_met": _count_targets(rows, modes), "configs": list(rows.values())}
+
+
+def _count_targets(rows: dict, modes: tuple[str, ...]) -> list[dict]:
+    """Each of :data:`COUNT_TARGETS` that ``modes`` measured: its value and whether it is met."""
+    found = []
+    for mode in modes:
+        stock = rows["ulysses"][mode]["counts"]["python_calls_per_layer"]
+        for config, limit in COUNT_TARGETS["python_calls_vs_stock"][mode].items():
+            ratio = rows[config][mode]["counts"]["python_calls_per_layer"] / stock
+            found.append({"mode": mode, "config": config, "target": f"Python calls per layer <= {limit}x stock's",
+                          "value": ratio, "met": ratio <= limit})
+        if mode == "compiled":
+            for config in CONFIGS:
+                calls = rows[config][mode]["counts"]["python_calls_cocodiff_per_layer"]
+                limit = COUNT_TARGETS["python_calls_cocodiff_compiled"]
+                found.append({"mode": mode, "config": config, "target": f"Python calls per layer in cocodiff's modules <= {limit}",
+                              "value": calls, "met": calls <= limit})
+    return found
 
 
 def _medians(rounds: list[dict]) -> dict:
@@ -150,6 +252,24 @@ def print_report(report: dict) -> None:
     print(f"targets: <= {t['host_s_per_exchange'] * 1e6:.0f} us per exact exchange, <= "
           f"{t['host_s_per_layer_v_major'] * 1e6:.0f} us per V-Major layer (eager); step ratios "
           + ", ".join(f"{name} <= {r:.2f}x" for name, r in t["step_ratio"].items()))
+    few, many = report["count_steps"]
+    print(f"\ncounted per attention layer: the last calls of a {many}- and a {few}-step job, their difference over the "
+          f"attention layers between (Python calls: in cocodiff's modules, inside {KERNEL_OPS} operators; torch operators "
+          f"dispatched from host code: cocodiff's, {KERNEL_OPS}', inside those; Triton launches stood in for; inductor's kernels)")
+    print(f"{'configuration':<24} {'mode':<9} {'calls':>7} {'cocodiff':>8} {'in kops':>7} {'ops':>6} {'cocodiff':>8} "
+          f"{'kops':>5} {'in kops':>7} {'launches':>8} {'inductor':>8}")
+    for row in report["configs"]:
+        for mode in MODES:
+            if mode not in row:
+                continue
+            c = row[mode]["counts"]
+            ops = c["torch_ops_by_namespace_per_layer"]
+            print(f"{row['name']:<24} {mode:<9} {c['python_calls_per_layer']:>7.1f} {c['python_calls_cocodiff_per_layer']:>8.1f} "
+                  f"{c['python_calls_in_kernel_ops_per_layer']:>7.1f} {c['torch_ops_per_layer']:>6.1f} {ops.get(OPERATORS, 0):>8.1f} "
+                  f"{ops.get(KERNEL_OPS, 0):>5.1f} {c['torch_ops_in_kernel_ops_per_layer']:>7.1f} {c['kernel_launches_per_layer']:>8.1f} "
+                  f"{c['inductor_kernels_per_layer']:>8.1f}")
+    for t in report["count_targets_met"]:
+        print(f"{'met' if t['met'] else 'NOT met':<8} {t['mode']:<9} {t['config']:<24} {t['target']}: {t['value']:.2f}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -207,6 +327,90 @@ class _Timer:
         return torch.compiler.disable(timed)
 
 
+#: The profile's range around a stood-in launch: the device's work, not counted.
+_STOOD_IN = "cocodiff bench host: a stood-in launch"
+_TOOLING = "cocodiff_xfuser.tools."
+_COUNTS = "counts.json"
+
+
+def _namespace(name: str) -> str | None:
+    """The operator namespace of a profile event's name (``aten::add_``); None for other ranges."""
+    found = re.fullmatch(r"(\w+)::\w+", name)
+    return found.group(1) if found else None
+
+
+class _PythonCalls:
+    """Python function calls on this thread while entered (``sys.setprofile``'s call events,
+    generator resumptions included): ``all``, ``cocodiff`` (those of cocodiff's own modules) and,
+    apart from both, ``in_kernel_ops`` (those inside :data:`KERNEL_OPS` operators: their CPU
+    kernels, what a Triton launch does on a GPU). This tooling's own frames are not counted, nor
+    anything under a stood-in launch (the device's work; commstats counts the launch) or under
+    tqdm's progress bar."""
+
+    def __init__(self) -> None:
+        import torch._ops
+
+        self.counts = {"all": 0, "cocodiff": 0, "in_kernel_ops": 0}
+        self._operator_calls = (torch._ops.OpOverload.__call__.__code__, torch._ops.OpOverloadPacket.__call__.__code__)
+        self._inside = None  # (frame, the count its callees go to, or None) of the call in progress
+
+    def __enter__(self) -> "_PythonCalls":
+        sys.setprofile(self._event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(None)
+
+    def _event(self, frame, event: str, arg) -> None:
+        if self._inside is not None:
+            if event == "return" and frame is self._inside[0]:
+                self._inside = None
+            elif event == "call" and self._inside[1]:
+                self.counts[self._inside[1]] += 1
+            return
+        if event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        # tqdm redraws its progress bar by the clock: its calls would differ between runs.
+        if frame.f_code is _StandIn._launch.__code__ or module.split(".")[0] == "tqdm":
+            self._inside = (frame, None)
+            return
+        if module.startswith(_TOOLING):
+            return
+        self.counts["all"] += 1
+        self.counts["cocodiff"] += module.split(".")[0] == "cocodiff_xfuser"
+        if frame.f_code in self._operator_calls and str(frame.f_locals["self"]).split(".")[0] == KERNEL_OPS:
+            self._inside = (frame, "in_kernel_ops")
+
+
+def _dispatches(events) -> dict:
+    """Torch operators dispatched from host code among a CPU profile's ``events``: per namespace,
+    those no other operator called and those the Python kernels of :data:`OPERATORS` called;
+    apart, ``in_kernel_ops`` (called by :data:`KERNEL_OPS` operators' CPU kernels) and
+    ``inductor_kernels`` (a compiled graph's own kernels, C++ on this CPU, as inductor's kernel
+    profile names them; Triton launches on a GPU). Not counted: what an operator's C++ kernel calls
+    (``aten::linear``'s ``aten::mm``), anything under a stood-in launch, and host work that is no
+    operator (a compiled graph's allocations and tensor reinterpretations, the Python around)."""
+    found = {"torch_ops": {}, "in_kernel_ops": 0, "inductor_kernels": 0}
+    for event in events:
+        namespace = _namespace(event.name)
+        if namespace is None and "cpp_fused" not in event.name:
+            continue
+        caller = event.cpu_parent
+        while caller is not None and caller.name != _STOOD_IN and _namespace(caller.name) is None:
+            caller = caller.cpu_parent
+        by = None if caller is None else _namespace(caller.name)
+        if caller is not None and by not in (OPERATORS, KERNEL_OPS):
+            continue  # a C++ kernel's own call, or the device's work
+        if by == KERNEL_OPS:
+            found["in_kernel_ops"] += 1
+        elif namespace is None:
+            found["inductor_kernels"] += 1
+        else:
+            found["torch_ops"][namespace] = found["torch_ops"].get(namespace, 0) + 1
+    return found
+
+
 class _StandIn:
     """A Triton kernel whose launches (``kernel[grid](*args)``) the torch ``reference`` computes
     instead, its time not counted: it stands for the device's work."""
@@ -218,8 +422,11 @@ class _StandIn:
         return self._launch
 
     def _launch(self, *args, **kwargs) -> None:
+        import torch
+
         started = time.perf_counter()
-        self._reference(*args, **kwargs)
+        with torch.profiler.record_function(_STOOD_IN):
+            self._reference(*args, **kwargs)
         self._timer.exclude(time.perf_counter() - started)
 
 
@@ -401,9 +608,56 @@ def _worker(argv: list[str]) -> None:
     ))
 
 
+def _count_worker(argv: list[str]) -> None:
+    """generate's job (``--repeat 2``) with each backend's last two pipeline calls counted: the
+    first of them its Python calls, the second its operators (the profiler's own Python would
+    count as calls); V-Major on the GPU's path, each launch stood in for."""
+    import torch
+    from xfuser.runner import xFuserModelRunner
+
+    from cocodiff_xfuser import commstats
+
+    _kernels_stood_in(_Timer())
+    torch._inductor.config.cpp.enable_kernel_profile = True  # names the compiled graphs' own kernels in the profile
+    counted: list[list[dict]] = []  # per backend, per pipeline call
+    run_backend, run = generate.run_backend, xFuserModelRunner.run
+
+    def each_backend(*args, **kwargs):
+        counted.append([])
+        return run_backend(*args, **kwargs)
+
+    def counting(runner, input_args):
+        calls = counted[-1]  # the warm-up call, then the two counted ones
+        if len(calls) == 1:
+            before = commstats.ran()
+            with _PythonCalls() as python:
+                result = run(runner, input_args)
+            after = commstats.ran()
+            calls.append({**{f"python_calls{'' if k == 'all' else '_' + k}": n for k, n in python.counts.items()},
+                          **{key: sum(after[key].values()) - sum(before[key].values()) for key in ("exchanges", "kernels")}})
+        elif len(calls) == 2:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                result = run(runner, input_args)
+            calls.append(_dispatches(profile.events()))
+        else:
+            result = run(runner, input_args)
+            calls.append({})
+        return result
+
+    generate.run_backend, xFuserModelRunner.run = each_backend, counting
+    out = Path(argv[argv.index("--out") + 1])
+    generate.main(argv)
+    backends = argv[argv.index("--backends") + 1].split(",")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{int(os.environ.get('RANK', '0'))}-{_COUNTS}").write_text(json.dumps(
+        {backend: {**calls[-2], **calls[-1]} for backend, calls in zip(backends, counted)}))
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         _worker(sys.argv[2:])
+    elif sys.argv[1:2] == ["--count"]:
+        _count_worker(sys.argv[2:])
     else:
         parser = argparse.ArgumentParser(prog="cocodiff bench host", description=__doc__.splitlines()[0])
         add_arguments(parser)
