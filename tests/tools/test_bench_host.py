@@ -171,7 +171,9 @@ def test_the_report_gives_every_configuration_eager_and_compiled(capsys):
             assert stock["host_s_per_exchange"] > 0 and stock["layers_per_step"] == 4 and stock["exchanges_per_step"] == 8, stock
         for name in host.CONFIGS:
             m = rows[name][mode]
-            assert m["step_s"] > 0 and m["host_s_per_exchange"] > 0 and m["host_s_per_layer"] >= m["host_s_per_exchange"]
+            assert m["step_s"] > 0 and m["host_s_per_layer"] >= m["host_s_per_exchange"] >= 0
+            # Eager, every exchange runs the timed entry points; compiled, one traced into the graph none.
+            assert m["host_s_per_exchange"] > 0 or mode == "compiled", (name, mode, m)
             # tiny-flux: 2 double and 2 single blocks per step on each rank; stock's processors
             # exchange twice per layer, V-First's at least twice (V rides with Q/K at sparse steps).
             assert m["layers_per_step"] == 4 and m["exchanges_per_step"] >= 8, (name, mode, m)
