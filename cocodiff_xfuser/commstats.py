@@ -107,6 +107,10 @@ def call_ended(signature: tuple) -> None:
     for name, counts in _tallies.get(signature, ()):
         if isinstance(counts, Counter):
             getattr(_ran, name).update(counts)
+        elif isinstance(counts, dict):  # V-Major's rows: (step or phase, layer) -> [active, tokens]
+            for key, (active, tokens) in counts.items():
+                total = _ran.v_major.setdefault(key, [0, 0])
+                total[0], total[1] = total[0] + active, total[1] + tokens
         else:
             setattr(_ran, name, getattr(_ran, name) + counts)
 
@@ -153,7 +157,8 @@ def count_kernel(name: str) -> None:
     _ran.kernels[name] += 1
 
 
-def count_v_major(step: int, layer: int, active: int, tokens: int) -> None:
+def count_v_major(step: int | str, layer: int, active: int, tokens: int) -> None:
+    """V-Major's rows sent over slow links at ``step`` (or, counted where a graph is traced, its phase)."""
     counts = _ran.v_major.setdefault((step, layer), [0, 0])
     counts[0] += active
     counts[1] += tokens
@@ -193,7 +198,7 @@ def _v_major_report(counts: dict) -> dict:
         active, tokens = (sum(c[i] for c in items) for i in (0, 1))
         return {"active": active, "tokens": tokens}
 
-    steps = sorted({s for s, _ in counts})
+    steps = sorted({s for s, _ in counts}, key=lambda s: (isinstance(s, str), s))  # steps, then phases (V-Major's graph path)
     layers = sorted({layer for _, layer in counts})
     return {
         **share(counts.values()),

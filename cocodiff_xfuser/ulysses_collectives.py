@@ -64,11 +64,12 @@ class InFlight:
         self.exchanger, self.exchanged = exchanger, exchanged
 
 
-def start(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...], label: str) -> InFlight:
-    """Issue the Ulysses input exchange of ``tensors`` (their heads padded to a multiple of W)."""
+def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Same-shaped ``[b, h, s, d]`` tensors (their heads padded to a multiple of W) as the
+    destination-major input of their exchange, ``[W, n, b, h/W, s, d]``."""
     world = exchanger.world_size
     heads = tensors[0].shape[1]
-    tensors = tuple(padding.pad_heads(t, world) for t in tensors)
+    tensors = tuple([padding.pad_heads(t, world) for t in tensors])
     b, h, s, d = tensors[0].shape
     # [b, h, s, d] -> [b, W, h/W, s, d] -> [W, b, h/W, s, d], stacked at dim 1: [W, n, b, h/W, s, d]
     # (head block g for group rank g: destination-major, one copy)
@@ -77,16 +78,26 @@ def start(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...], label: str) -
     commstats.traced("count_copy", nbytes)
     if heads < h:
         commstats.traced("count_padding", round(nbytes * (1 - heads / h)))
-    return InFlight(exchanger, all_to_all(exchanger, stacked, label))
+    return stacked
+
+
+def start(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...], label: str) -> InFlight:
+    """Issue the Ulysses input exchange of ``tensors`` (their heads padded to a multiple of W)."""
+    return InFlight(exchanger, all_to_all(exchanger, stack(exchanger, tensors), label))
+
+
+def sequence(exchanged: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A source-major exchange result ``[W, n, b, h/W, s, d]`` as n head-sharded ``[b, h/W, W*s, d]``."""
+    world, n, b, local_heads, s, d = exchanged.shape
+    # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d], per tensor
+    out = tuple([exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n)])
+    commstats.traced("count_copy", n * out[0].numel() * out[0].element_size())
+    return out
 
 
 def wait(pending: InFlight) -> tuple[torch.Tensor, ...]:
     """The exchanged tensors, head-sharded ``[b, h/W, W*s, d]``."""
-    world, n, b, local_heads, s, d = pending.exchanged.shape
-    # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d], per tensor
-    out = tuple(pending.exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n))
-    commstats.traced("count_copy", n * out[0].numel() * out[0].element_size())
-    return out
+    return sequence(pending.exchanged)
 
 
 def start_v(exchanger: Exchanger, value: torch.Tensor, label: str) -> InFlight:

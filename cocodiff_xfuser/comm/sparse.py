@@ -131,10 +131,13 @@ class Selection:
     def mask(self, s: int) -> torch.Tensor:
         """The rows as they travel ahead of them, of ``s`` (uint8, :func:`mask_bytes` of them): bit
         ``t % 8`` of byte ``t // 8`` set for an active row ``t``; built on the device."""
-        if self.built is not None:
-            return self.built
-        bits = torch.zeros(mask_bytes(s) * 8, dtype=torch.uint8, device=self.active.device).index_fill_(0, self.active, 1)
-        return (bits.view(-1, 8) << _bit_positions(bits.device)).sum(1, dtype=torch.uint8)
+        return self.built if self.built is not None else mask_of(self.active, s)
+
+
+def mask_of(active: torch.Tensor, s: int) -> torch.Tensor:
+    """The mask of rows ``active`` of ``s`` (:meth:`Selection.mask`), built on the device."""
+    bits = torch.zeros(mask_bytes(s) * 8, dtype=torch.uint8, device=active.device).index_fill_(0, active, 1)
+    return (bits.view(-1, 8) << _bit_positions(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:

@@ -123,9 +123,14 @@ def on_wire(x: torch.Tensor) -> torch.Tensor:
     return x.to(_wire_float) if _rounds(x) else x
 
 
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype values of ``dtype`` cross the wire in."""
+    return _wire_float if _wire_float is not None and dtype == torch.float32 else dtype
+
+
 def wire_itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype`` on the wire."""
-    return _wire_float.itemsize if _wire_float is not None and dtype == torch.float32 else dtype.itemsize
+    return wire_dtype(dtype).itemsize
 
 
 def wire_bytes(x: torch.Tensor) -> int:

@@ -27,6 +27,7 @@ from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
+from cocodiff_xfuser.vmajor import graph as vmajor_graph
 from cocodiff_xfuser.vmajor import policy
 from cocodiff_xfuser.xfuser import job
 
@@ -216,7 +217,7 @@ def start_input_exchange(
     label: str,
     ahead_of: tuple[torch.Tensor | None, ...],
     layer: policy.Layer | None = None,
-) -> PendingExchange | ulysses_collectives.InFlight | torch.Tensor:
+) -> PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | torch.Tensor:
     """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``exchanger``,
     asynchronously (counted as the call); ``layer``: its V-Major layer.
 
@@ -230,6 +231,8 @@ def start_input_exchange(
     locality and for peak memory, on by default, do), and nothing would hide V's exchange.
     Eagerly the program's order holds.
     """
+    if vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
+        return vmajor_graph.start_v(exchanger, layer, value, label)
     if torch.compiler.is_compiling():
         if ulysses_collectives.applies(exchanger, layer):
             return ulysses_collectives.start_v(exchanger, value, label)
@@ -321,7 +324,7 @@ operators.define("v_first_output", _output_operator, _output_fake)
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
-    value: PendingExchange | ulysses_collectives.InFlight | torch.Tensor,
+    value: PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | torch.Tensor,
     *,
     joint_query: torch.Tensor | None = None,
     joint_key: torch.Tensor | None = None,
@@ -344,6 +347,12 @@ def attention(
     """
     head_count = query.shape[1]
     query, joint_attn_kwargs = _joined(query, joint_query, joint_key, joint_value, joint_strategy)
+    if isinstance(value, vmajor_graph.LayerCall):
+        call = value
+        query, key, value = vmajor_graph.exchange_inputs(query, key, call)
+        key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
+        out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
+        return vmajor_graph.output(call, out, head_count)
     if isinstance(value, ulysses_collectives.InFlight):
         exchanger = value.exchanger
         query, key, value = ulysses_collectives.exchange_inputs(query, key, value)

@@ -119,6 +119,9 @@ class Call:
         # (layer index on the clock, branch) -> that layer's caches (a Ulysses layer's or a ring layer's).
         self.caches: dict[tuple[int, int], Any] = {}
         self.budget = Budget()
+        # (layer index on the clock, branch) -> exchange name -> (reference, received): the caches of
+        # the layers whose calls have static shapes (:mod:`.graph`), created at the first step.
+        self.held: dict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
@@ -183,8 +186,15 @@ class Clock:
     pipeline call (no :attr:`current`) exchanges exactly.
     """
 
-    def __init__(self, group: Any = None, trial_from: int | None = None, arms: tuple[str, ...] = ARMS) -> None:
+    def __init__(self, group: Any = None, trial_from: int | None = None, arms: tuple[str, ...] = ARMS,
+                 warmup_steps: int = 1, refresh_every: int = 0) -> None:
         self.layers = 0  # V-Major layers attached to this clock (Ulysses and ring)
+        self.warmup_steps, self.refresh_every = warmup_steps, refresh_every
+        #: The step's kind for layers with static shapes (:mod:`.graph`), fixed at its tick, all a
+        #: compiled graph reads of the step (so a handful of graphs): ``outside`` a pipeline call,
+        #: the ``first`` step (the caches made), ``exact`` (a refresh), a ``whole`` warm-up step
+        #: (every token), or ``sparse``.
+        self.phase = "outside"
         self.group = group  # the group the layers' shares are agreed over (policy budget)
         self.current: Call | None = None
         self.calls = 0  # pipeline calls opened so far
@@ -221,6 +231,7 @@ class Clock:
 
     def tick(self, timestep: Any) -> None:
         self._tick(timestep)
+        self.phase = self._phase()
         self.to_stock = self.stock_step()
         self._padded_forwards = padding.padded_forwards()
 
@@ -241,6 +252,16 @@ class Clock:
             arm = self.trial.at_step(call.step, device, self.agreement_group())
             if arm is not None:
                 self.trial, self.off, self.stock = None, arm != "v-major", arm == "stock"
+
+    def _phase(self) -> str:
+        call = self.current
+        if call is None:
+            return "outside"
+        if call.step == 0:
+            return "first"
+        if self.refresh_every and call.step % self.refresh_every == 0:
+            return "exact"
+        return "whole" if call.step < self.warmup_steps else "sparse"
 
     def outside_call(self) -> None:
         """A V-Major layer ran with no pipeline call open (its transformer called by a loop of the
@@ -304,7 +325,8 @@ def attach_clock(
 
     trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
     arms = ARMS if stock else tuple(arm for arm in ARMS if arm != "stock")
-    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms)
+    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms,
+                  *((settings.warmup_steps, settings.refresh_every) if settings is not None else ()))
     transformer.register_forward_pre_hook(before, with_kwargs=True)
     transformer.register_forward_hook(torch.compiler.disable(lambda module, args, output: clock.settle()))
     return clock

@@ -202,7 +202,7 @@ def reference_top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     s = ranks.numel()
     order = torch.empty_like(ranks).scatter_(0, ranks, torch.arange(s, device=ranks.device))
     active = order[s - k:].sort().values
-    return active, sparse.Selection.fixed(active, 1).mask(s)
+    return active, sparse.mask_of(active, s)
 
 
 def token_change(metric: str, x: torch.Tensor, reference: torch.Tensor, token_dim: int,

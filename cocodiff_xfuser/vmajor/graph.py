@@ -1,0 +1,216 @@
+"""V-Major of a Ulysses layer with static shapes: plain torch that a compiled graph holds, and eager runs.
+
+A layer call sends, over slow links, a number of tokens fixed before it runs (top-k's share of
+them, :func:`capacity`), chosen on the device by a top-k of the integer change keys
+(:func:`.policy.token_change`, ranked as a stable sort orders them), the rest carried by error
+feedback: a token left out keeps its distance to the value the receivers hold, and is ranked by it
+again at the next step. Each exchange is one ``all_to_all_single`` over the Ulysses group with
+split sizes fixed by the shapes and that count (node-mates get whole chunks, ranks on other nodes
+the rows, after a bitmask of them where the sender chose them), which inductor schedules and a
+CUDA graph captures as stock's exchange. No operator of cocodiff's, no host read.
+
+Per-call state is the step's *phase* (:attr:`.clock.Clock.phase`: ``first``, ``whole``,
+``sparse``; ``outside`` a pipeline call) and the CFG branch, which a graph reads as constants
+(dynamo guards them: a handful of graphs), and the caches (the senders' references and the
+receivers' results), tensors created by the first step's graph and updated in place by the
+others, kept by the pipeline call (:attr:`.clock.Call.held`). What ran is counted when the graph
+is traced (:func:`cocodiff_xfuser.commstats.traced`).
+
+Scopes, residual dtypes and the first step follow :class:`cocodiff_xfuser.settings.VMajorSettings`.
+Layers under another policy (counts that change per step), a ring, fp8 on the wire or padded
+tokens take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives
+from cocodiff_xfuser.comm import residuals, sparse, transport
+from cocodiff_xfuser.settings import TopK
+from cocodiff_xfuser.vmajor import policy
+
+_all_to_all_single = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
+
+
+def applies(exchanger, layer: policy.Layer | None) -> bool:
+    """Whether ``layer``'s calls take this path: a Ulysses layer whose group crosses nodes, a count
+    fixed by the settings (top-k), no ring, values exchanged as they are (no fp8), no padded tokens."""
+    return (layer is not None and isinstance(layer.settings.rule, TopK) and exchanger.ring_group is None
+            and exchanger.options.compress == "none" and exchanger.slow_level is not None
+            and exchanger.slow_level.exists and not padding.tokens_padded())
+
+
+def capacity(layer: policy.Layer, tokens: int) -> int:
+    """Rows a rank sends per exchange over slow links at a sparse step: top-k's share of ``tokens``."""
+    k = math.ceil(layer.settings.rule.fraction * tokens)
+    return min(k, tokens)
+
+
+class LayerCall:
+    """One layer call's V-Major exchanges: V's (started by :func:`start_v`), then Q/K's and the
+    output's, which follow V's selection where the scope says so and their shapes are V's."""
+
+    def __init__(self, exchanger, layer: policy.Layer, v: torch.Tensor) -> None:
+        self.exchanger, self.layer, self.settings = exchanger, layer, layer.settings
+        clock = layer.clock
+        self.phase = clock.phase
+        self.caches = None if clock.current is None else clock.current.held.setdefault((layer.index, clock.current.branch), {})
+        self.shape = v.shape  # [W, 1, b, h/W, s, d]
+        level = exchanger.slow_level
+        self.remote = level.remote
+        self.fast = tuple([level.fast(j) for j in range(exchanger.world_size)])
+        tokens = v.shape[4]
+        k = tokens if self.phase != "sparse" else capacity(layer, tokens)
+        residual = self.settings.residual
+        if residual is not None and sparse.whole_is_smaller(k, tokens, _token_bytes(v, residual)):
+            k = tokens
+        self.k = k
+        #: Residuals (None: values): values at a refresh, and at the first step unless its residuals are against zeros.
+        exact = self.phase == "exact" or (self.phase == "first" and self.settings.first_step != "residual")
+        self.residual = None if exact else residual
+        self.active: torch.Tensor | None = None  # this rank's rows (ascending), where fewer than every one
+        self.peers: torch.Tensor | None = None  # [R, k] the rows of each remote group rank, from V's masks
+        self.exchanged: torch.Tensor | None = None
+
+
+def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> LayerCall:
+    """V's exchange of a V-First call (``[b, h, s, d]``), issued before its Q/K are projected."""
+    commstats.traced("count_v_first_call")
+    stacked = _stacked(exchanger, (value,))
+    call = LayerCall(exchanger, layer, stacked)
+    s = stacked.shape[4]
+    commstats.traced("count_v_major", call.phase, layer.index, call.k, s)
+    if call.k < s:
+        keys = policy.token_change(call.settings.rule.metric, _crossing(call, stacked),
+                                   _crossing(call, call.caches["v"][0]), 4, (0, 1, 3, 5))
+        ranks, _ = policy.reference_ranks(keys)
+        call.active, _ = policy.reference_top(ranks, call.k)
+    call.exchanged = _exchange(call, "v", stacked, label, by_receiver=False)
+    return call
+
+
+def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q's and K's exchanges, then V's result: head-sharded Q, K, V (``[b, h/W, W*s, d]``)."""
+    follows = call.settings.scope in ("qkv", "qkvo") and call.caches is not None
+    exchanger = call.exchanger
+    if follows and query.shape[2] == call.shape[4] and query.shape == key.shape:
+        query, key = ulysses_collectives.sequence(_exchange(call, "qk", _stacked(exchanger, (query, key)), "qk", by_receiver=False))
+    else:
+        if query.shape == key.shape:
+            query, key = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query, key), "qk"))
+        else:
+            (query,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query,), "q"))
+            if follows and key.shape[2] == call.shape[4]:
+                (key,) = ulysses_collectives.sequence(_exchange(call, "k", _stacked(exchanger, (key,)), "k", by_receiver=False))
+            else:
+                (key,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (key,), "k"))
+    (value,) = ulysses_collectives.sequence(call.exchanged)
+    return query, key, value
+
+
+def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
+    """The output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]`` (its first
+    ``heads``): under scope qkvo each rank on another node gets its own active tokens' rows."""
+    exchanger, world = call.exchanger, call.exchanger.world_size
+    b, local_heads, tokens, d = out.shape
+    s = tokens // world
+    if call.settings.scope != "qkvo" or call.caches is None or s != call.shape[4]:
+        return ulysses_collectives.output(exchanger, out, heads)
+    # [b, h/W, W*s, d] -> [W, 1, b, h/W, s, d]: token block j for group rank j
+    x = transport.wire_values(out.reshape(b, local_heads, world, s, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
+    exchanged = _exchange(call, "o", x, "out", by_receiver=True)
+    # [W, 1, b, h/W, s, d]: head block i from rank i -> [b, W, h/W, s, d] -> [b, h, s, d]
+    result = exchanged.squeeze(1).transpose(0, 1).reshape(b, world * local_heads, s, d)
+    return result if result.shape[1] == heads else result[:, :heads]
+
+
+def _stacked(exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The destination-major ``[W, n, b, h/W, s, d]`` of ``tensors``, with the values the wire
+    carries (what V-Major compares and keeps)."""
+    return transport.wire_values(ulysses_collectives.stack(exchanger, tensors))
+
+
+def _crossing(call: LayerCall, x: torch.Tensor) -> torch.Tensor:
+    """The chunks of ``x`` (dim 0) that go to other nodes: a view where they are one run."""
+    runs = call.layer.runs
+    if len(runs) == 1:
+        return x[runs[0][0]:runs[0][1]]
+    return torch.cat([x[first:last] for first, last in runs])
+
+
+def _token_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
+    """One token's row of ``v`` (``[W, n, b, h/W, s, d]``) for one destination, as a residual in ``dtype``."""
+    return v.shape[1] * v.shape[2] * v.shape[3] * residuals.row_bytes(v.shape[5], dtype)
+
+
+def _exchange(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver: bool) -> torch.Tensor:
+    """The exchange ``name`` ('v', 'qk', 'k' or 'o') of destination-major ``x`` (``[W, n, b, h/W, s, d]``):
+    node-mates get whole chunks; each rank on another node the call's rows, as values or residuals
+    against the layer's reference, which the senders update, into the receivers' copy of the last
+    result, which the result is (source-major). The rows: this rank's ``active``, its mask ahead in
+    V's exchange (whose receivers learn ``peers``); with ``by_receiver`` (the output) each
+    receiver's own active rows, which it knows."""
+    if call.caches is None:  # outside a pipeline call: the exact exchange
+        commstats.traced("count_fallback", "v-major: outside a pipeline call")
+        return ulysses_collectives.all_to_all(call.exchanger, x, label)
+    world, n, b, local_heads, s, d = x.shape
+    if name not in call.caches:  # the first step: the receivers hold zeros before anything arrives
+        call.caches[name] = (torch.zeros_like(x), torch.zeros_like(x))
+    reference, received = call.caches[name]
+    residual, k, every = call.residual, call.k, call.k == s
+    with_mask = name == "v" and not every
+    wire = transport.wire_dtype(x.dtype)
+    row = residuals.row_bytes(d, residual) if residual is not None else d * wire.itemsize
+    full = n * b * local_heads * s * d * wire.itemsize
+    data_bytes = n * b * local_heads * k * row + (sparse.mask_bytes(s) if with_mask else 0)
+    # Each piece padded to 4 bytes: whatever follows it starts aligned for its dtype's view.
+    piece = -(-data_bytes // 4) * 4
+    padding_bytes = x.new_zeros(piece - data_bytes, dtype=torch.uint8) if piece > data_bytes else None
+    sizes = [full if fast else piece for fast in call.fast]
+    # Sent: the whole chunk to node-mates; to each rank on another node, its rows (after their mask).
+    pieces, mask = [], None if not with_mask else sparse.mask_of(call.active, s)
+    for j, fast in enumerate(call.fast):
+        if fast:
+            pieces.append(_bytes(transport.on_wire(x[j])))
+            continue
+        rows = _every(s, x) if every else call.peers[call.remote.index(j)] if by_receiver else call.active
+        payload = residuals.encode(x[j], reference[j], rows, 3, residual)
+        data = _bytes(payload if residual is not None else transport.on_wire(payload))
+        pieces += [mask, data] if with_mask else [data]
+        if padding_bytes is not None:
+            pieces.append(padding_bytes)
+    out = _all_to_all_single(torch.cat(pieces), sizes, sizes, call.exchanger.group.group_name)
+    # Received: node-mates' chunks replace theirs, other nodes' rows update theirs.
+    peers = []
+    for i, part in enumerate(out.split(sizes)):
+        if call.fast[i]:
+            received[i].copy_(part.view(wire).view(n, b, local_heads, s, d))
+            continue
+        if with_mask:
+            rows = sparse.reference_rows_of(part[: sparse.mask_bytes(s)], s, k)
+            peers.append(rows)
+            part = part[sparse.mask_bytes(s):]
+        else:
+            rows = None if every else call.active if by_receiver else call.peers[call.remote.index(i)]
+        travels = wire if residual is None else torch.uint8 if residual == torch.int4 else residual
+        values = part[: data_bytes - (sparse.mask_bytes(s) if with_mask else 0)].view(travels).view(n, b, local_heads, k, -1)
+        residuals.apply(received[i], values.to(x.dtype) if residual is None else values, rows, 3, residual is not None)
+    if with_mask:
+        call.peers = torch.stack(peers)
+    exact = len(call.remote) * full
+    commstats.traced("count_exchange", "v-major one-phase", label, len(call.remote) * piece, exact)
+    if not every:
+        commstats.traced("count_v_major_sparse", name)
+    return received
+
+
+def _every(s: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(s, device=like.device)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.contiguous().view(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
