@@ -62,6 +62,8 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # dynamo's counters (frames converted, graph breaks) and its reset: what a compiled job did, per
     # backend (tools/generate.py).
     ("torch._dynamo.utils", "counters"),
+    # V-Major's caches, kept from call to call: static inputs of the graphs (vmajor/graph.py).
+    ("torch._dynamo", "mark_static_address"),
     ("torch._dynamo", "reset"),
     # Where inductor hands each graph's generated code to tests (tools/generate.py keeps it per backend).
     ("torch._inductor.graph", "GraphLowering"),
@@ -81,6 +83,12 @@ def trace_time(fn: Callable) -> Callable:
     it guards by identity) and its result a constant of the graph: host work that a compiled graph
     decides once, when it is traced, and never runs. Called eagerly, ``fn`` runs as it is."""
     return torch_private("torch._dynamo", "assume_constant_result")(fn)
+
+
+def mark_static(t: Any) -> None:
+    """Mark tensor ``t`` as a static input of the graphs that read it (same memory every call: CUDA
+    graph trees let a graph update it in place)."""
+    torch_private("torch._dynamo", "mark_static_address")(t)
 
 
 def views_another(t: Any) -> bool:

@@ -37,16 +37,18 @@ V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major
 # Auto's speed check decides within the first call (its warm-up step, then three rounds of three arms).
 V_MAJOR_AUTO = {**V_MAJOR, "cocodiff_v_major": "auto"}
 FP8 = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_compress": "fp8"}
-#: V-Major's other policies (the default, budget, is "vmajor"): a sparse step at step 2 for each.
-POLICIES = {p: {**V_MAJOR, "cocodiff_v_major_policy": p} for p in ("threshold", "top-k", "schedule")}
+#: V-Major with static shapes (top-k: a count fixed by the settings), plain torch in the graph.
+STATIC = {**V_MAJOR, "cocodiff_v_major_policy": "top-k"}
+#: V-Major's per-call policies (the default, budget, is "vmajor"): a sparse step at step 2 for each.
+POLICIES = {p: {**V_MAJOR, "cocodiff_v_major_policy": p} for p in ("threshold", "schedule")}
 # id -> (model, ulysses, ring, topology, backends, extra flags, steps); every cocodiff backend is checked.
 JOBS = {
-    "flux-u2": ("tiny-flux", 2, 1, "2x1", ("ulysses", "cocodiff", "cocodiff+vfirst", "vmajor", "fp8"), (), 3),
+    "flux-u2": ("tiny-flux", 2, 1, "2x1", ("ulysses", "cocodiff", "cocodiff+vfirst", "topk", "fp8"), (), 3),
     "sd3-u2-fp8": ("tiny-sd3", 2, 1, "2x1", ("ulysses", "cocodiff+vfirst"), ("--cocodiff-compress", "fp8"), 3),
     # V-Major on the ring's K/V (Ulysses inside the node x Ring across nodes), and auto's three arms.
     "flux-u2r2": ("tiny-flux", 2, 2, "2x2", ("ulysses", "cocodiff+vfirst", "vmajor"), (), 3),
     "flux-u2-auto": ("tiny-flux", 2, 1, "2x1", ("ulysses", "auto"), (), 11),
-    "flux-u2-policies": ("tiny-flux", 2, 1, "2x1", ("ulysses", *POLICIES), (), 3),
+    "flux-u2-policies": ("tiny-flux", 2, 1, "2x1", ("ulysses", "vmajor", *POLICIES), (), 3),
     # Wan hands its attention function settings (attention_kwargs): still one graph.
     "wan-u2": ("tiny-wan", 2, 1, "2x1", ("ulysses", "cocodiff+vfirst"), (), 3),
 }
@@ -55,7 +57,7 @@ CASES = [["a cat", 1], ["a dog", 2]]
 
 
 #: Jobs run again eagerly ("<job> eager"), for these of their backends.
-EAGER_TWINS = {"flux-u2": ("vmajor", "cocodiff+vfirst")}
+EAGER_TWINS = {"flux-u2": ("topk", "cocodiff+vfirst")}
 
 
 def _generate(job: str, out: Path) -> Path:
@@ -67,7 +69,7 @@ def _generate(job: str, out: Path) -> Path:
     run = Run(model=model, ulysses_degree=ulysses, ring_degree=ring, topology=topology, seed=1, steps=steps,
               extra=(*compiled, *extra))
     (out / "cases.json").write_text(json.dumps(CASES))
-    (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR, "auto": V_MAJOR_AUTO, "fp8": FP8, **POLICIES}))
+    (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR, "topk": STATIC, "auto": V_MAJOR_AUTO, "fp8": FP8, **POLICIES}))
     argv = run.argv(backends, out) + ["--cases", str(out / "cases.json"), "--variants", str(out / "variants.json")]
     (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, timeout=900).stderr)
     return out
@@ -136,7 +138,7 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
     assert ran["fallbacks"] == {}, ran
     if backend == "vmajor" and JOBS[job][2] > 1:
         assert ran["exchanges"].get("ring v-major"), ran
-    elif backend == "vmajor" or backend in POLICIES:
+    elif backend in ("vmajor", "topk") or backend in POLICIES:
         assert ran["v_major_sparse"] and ran["v_major"]["tokens"] > 0, ran
     if backend == "cocodiff+vfirst" and "--cocodiff-compress" not in JOBS[job][5]:
         # Exact: the compiled V-First image is the compiled stock one (the same graphs around the exchanges).
@@ -182,16 +184,31 @@ def test_a_compiled_exact_job_counts_what_its_eager_twin_runs(generated):
 
 
 def test_compiled_v_major_gives_the_eager_images(generated):
-    # Its exchanges are operators of the graph, which may reuse an operator's inputs as soon as it
-    # returns: what V-Major reads of them later (V waiting to ride with Q/K) must be its own copy.
-    # Compiled arithmetic differs from eager in the last bits, which may move a token across the
-    # selection's threshold: close, not bitwise.
+    # The same code, eager and compiled. Compiled arithmetic differs from eager in the last bits,
+    # which may move a token across the selection's threshold: close, not bitwise.
     eager_out = generated("flux-u2 eager")
-    ran = _result(eager_out, "flux-u2", "vmajor")["ran"]  # the eager twin ran V-Major's sparse exchanges too
-    assert ran["v_major_sparse"] and ran["fallbacks"] == {}, ran
-    compiled, eager = _images(generated("flux-u2"), "flux-u2", "vmajor"), _images(eager_out, "flux-u2", "vmajor")
+    ran = _result(eager_out, "flux-u2", "topk")["ran"]  # the eager twin ran V-Major's sparse exchanges too
+    assert ran["v_major_sparse"] and ran["fallbacks"] == {} and set(ran["exchanges"]) == {"v-major one-phase"}, ran
+    compiled, eager = _images(generated("flux-u2"), "flux-u2", "topk"), _images(eager_out, "flux-u2", "topk")
     psnr = [10 * np.log10(1 / np.mean((a.astype(np.float64) - b) ** 2)) for a, b in zip(compiled, eager)]
     assert min(psnr) >= 80, psnr
+
+
+def test_compiled_v_major_holds_functional_collectives_and_no_host_read(generated):
+    # V-Major with static shapes in the generated code (FLUX under xDiT's reduce-overhead mode, with
+    # its overlap passes): no operator of cocodiff's, no host read; every exchange, sparse or not,
+    # one all_to_all_single with split sizes fixed when traced; V's issued before Q and K are projected.
+    out = generated("flux-u2")
+    code = json.loads((output_dir(out, tiny_models.SPECS["tiny-flux"].model_id, "topk") / "inductor_code.json").read_text())
+    assert code and host_work(code) == [], host_work(code)
+    result = _result(out, "flux-u2", "topk")
+    ran = result["ran"]
+    assert set(ran["exchanges"]) == {"v-major one-phase"} and ran["v_major_sparse"], ran
+    assert set(ran["v_major"]["per_step"]) == {"first", "sparse"}, ran["v_major"]  # one warm-up step
+    assert ran["slow_link_bytes"] < ran["slow_link_bytes_exact"] / 2, ran
+    assert max(exchanges_in_flight(code)) >= 2, exchanges_in_flight(code)
+    for rank in result["dynamo"]:  # its graphs: the first step's and the sparse steps', made in the first call
+        assert rank[1]["frames"] == rank[2]["frames"] and not rank[2]["graph_breaks"], rank
 
 
 @pytest.mark.unit

@@ -47,8 +47,10 @@ def next_power_of_2(n: int) -> int:
 
 
 def runs_on(t: torch.Tensor) -> bool:
-    """Whether Triton kernels run on ``t``'s device: triton present, an accelerator (or the interpreter)."""
-    return triton is not None and (_INTERPRETED or t.device.type in _DEVICES)
+    """Whether Triton kernels run on ``t``'s device: triton present, an accelerator (or the
+    interpreter), and not while torch.compile traces: a graph holds the torch reference, from which
+    inductor generates kernels of its own (the same bytes: the arithmetic is exact)."""
+    return triton is not None and not torch.compiler.is_compiling() and (_INTERPRETED or t.device.type in _DEVICES)
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:

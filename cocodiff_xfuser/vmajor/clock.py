@@ -119,9 +119,6 @@ class Call:
         # (layer index on the clock, branch) -> that layer's caches (a Ulysses layer's or a ring layer's).
         self.caches: dict[tuple[int, int], Any] = {}
         self.budget = Budget()
-        # (layer index on the clock, branch) -> exchange name -> (reference, received): the caches of
-        # the layers whose calls have static shapes (:mod:`.graph`), created at the first step.
-        self.held: dict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         # Policy budget: per layer, the share of tokens the current step sends (agreed; None: not
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
@@ -190,6 +187,7 @@ class Clock:
                  warmup_steps: int = 1, refresh_every: int = 0) -> None:
         self.layers = 0  # V-Major layers attached to this clock (Ulysses and ring)
         self.warmup_steps, self.refresh_every = warmup_steps, refresh_every
+        self.cache_bytes = 0  # what the layers with static shapes keep (:mod:`.graph`), against their budget
         #: The step's kind for layers with static shapes (:mod:`.graph`), fixed at its tick, all a
         #: compiled graph reads of the step (so a handful of graphs): ``outside`` a pipeline call,
         #: the ``first`` step (the caches made), ``exact`` (a refresh), a ``whole`` warm-up step

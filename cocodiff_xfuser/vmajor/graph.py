@@ -23,6 +23,7 @@ tokens take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -32,6 +33,7 @@ from cocodiff_xfuser.comm import residuals, sparse, transport
 from cocodiff_xfuser.settings import TopK
 from cocodiff_xfuser.vmajor import policy
 
+logger = logging.getLogger("cocodiff_xfuser")
 _all_to_all_single = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
 
 
@@ -57,8 +59,15 @@ class LayerCall:
         self.exchanger, self.layer, self.settings = exchanger, layer, layer.settings
         clock = layer.clock
         self.phase = clock.phase
-        self.caches = None if clock.current is None else clock.current.held.setdefault((layer.index, clock.current.branch), {})
         self.shape = v.shape  # [W, 1, b, h/W, s, d]
+        #: Exchange name -> (the senders' reference, the receivers' result); None: the exact exchange.
+        self.caches = None
+        if clock.current is not None:
+            key = (clock.current.branch, tuple(v.shape), str(v.dtype), str(v.device))
+            if _kept(layer, key):
+                self.caches = layer.buffers[key]
+            else:
+                commstats.traced("count_fallback", "v-major: cache budget")
         level = exchanger.slow_level
         self.remote = level.remote
         self.fast = tuple([level.fast(j) for j in range(exchanger.world_size)])
@@ -127,6 +136,47 @@ def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
     return result if result.shape[1] == heads else result[:, :heads]
 
 
+#: Shapes a layer keeps caches for at most (the oldest dropped first): a service of many image
+#: sizes stays bounded, and a size that comes back after others traces its graphs again.
+KEPT_SHAPES = 8
+#: The exchanges each scope's caches serve (K alone, where Q carries joint tokens, uses Q/K's).
+_CACHED = {"v": ("v",), "qkv": ("v", "qk"), "qkvo": ("v", "qk", "o")}
+
+
+@compat.trace_time
+def _kept(layer: policy.Layer, key: tuple) -> bool:
+    """Whether ``layer`` keeps caches for ``key`` (branch, V's shape, dtype, device), made here where
+    it has none: tensors the layer keeps from call to call (a graph's static inputs, which CUDA graph
+    trees let it update in place), zeroed by each pipeline call's first step. Run when a graph is
+    traced, before the graph reads them. False where they would exceed ``budget_mib``."""
+    if key in layer.buffers:
+        return True
+    _, shape, dtype, device = key
+    world, _, b, local_heads, s, d = shape
+    names = _CACHED[layer.settings.scope]
+    shapes = {name: (world, 2 if name == "qk" else 1, b, local_heads, s, d) for name in names}
+    dtype = getattr(torch, dtype.removeprefix("torch."))
+    nbytes = 2 * sum(math.prod(one) for one in shapes.values()) * dtype.itemsize
+    clock = layer.clock
+    if len(layer.buffers) >= KEPT_SHAPES:
+        oldest = next(iter(layer.buffers))
+        clock.cache_bytes -= sum(2 * t.numel() * t.element_size() for t, _ in layer.buffers.pop(oldest).values())
+    if clock.cache_bytes + nbytes > layer.settings.budget_mib * 2**20:
+        if not clock.budget_warned:
+            clock.budget_warned = True
+            logger.warning("cocodiff: V-Major cache budget (%g MiB, --cocodiff-v-major-budget-mib) reached at layer %d "
+                           "of %d; layers beyond it use the exact exchange", layer.settings.budget_mib, layer.index, clock.layers)
+        return False
+    made = {}
+    for name, one in shapes.items():
+        made[name] = (torch.zeros(one, dtype=dtype, device=device), torch.zeros(one, dtype=dtype, device=device))
+        for t in made[name]:
+            compat.mark_static(t)
+    layer.buffers[key] = made
+    clock.cache_bytes += nbytes
+    return True
+
+
 def _stacked(exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The destination-major ``[W, n, b, h/W, s, d]`` of ``tensors``, with the values the wire
     carries (what V-Major compares and keeps)."""
@@ -157,9 +207,12 @@ def _exchange(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiv
         commstats.traced("count_fallback", "v-major: outside a pipeline call")
         return ulysses_collectives.all_to_all(call.exchanger, x, label)
     world, n, b, local_heads, s, d = x.shape
-    if name not in call.caches:  # the first step: the receivers hold zeros before anything arrives
-        call.caches[name] = (torch.zeros_like(x), torch.zeros_like(x))
-    reference, received = call.caches[name]
+    reference, received = call.caches["qk" if name == "k" else name]
+    if name == "k":  # K alone: the second plane of Q/K's caches
+        reference, received = reference[:, 1:], received[:, 1:]
+    if call.phase == "first":  # the receivers hold zeros before anything arrives
+        reference.zero_()
+        received.zero_()
     residual, k, every = call.residual, call.k, call.k == s
     with_mask = name == "v" and not every
     wire = transport.wire_dtype(x.dtype)
