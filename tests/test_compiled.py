@@ -39,6 +39,8 @@ V_MAJOR_AUTO = {**V_MAJOR, "cocodiff_v_major": "auto"}
 FP8 = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_compress": "fp8"}
 #: V-Major with static shapes (top-k: a count fixed by the settings), plain torch in the graph.
 STATIC = {**V_MAJOR, "cocodiff_v_major_policy": "top-k"}
+#: The same path sending every token as values over every link: bitwise the exact exchange.
+STATIC_EXACT = {**STATIC, "cocodiff_v_major_fraction": 1.0, "cocodiff_v_major_residual_dtype": "none"}
 #: V-Major's per-call policies (the default, budget, is "vmajor"): a sparse step at step 2 for each.
 POLICIES = {p: {**V_MAJOR, "cocodiff_v_major_policy": p} for p in ("threshold", "schedule")}
 # id -> (model, ulysses, ring, topology, backends, extra flags, steps); every cocodiff backend is checked.
@@ -57,7 +59,7 @@ CASES = [["a cat", 1], ["a dog", 2]]
 
 
 #: Jobs run again eagerly ("<job> eager"), for these of their backends.
-EAGER_TWINS = {"flux-u2": ("topk", "cocodiff+vfirst")}
+EAGER_TWINS = {"flux-u2": ("topk", "topk-exact", "cocodiff+vfirst")}
 
 
 def _generate(job: str, out: Path) -> Path:
@@ -69,7 +71,7 @@ def _generate(job: str, out: Path) -> Path:
     run = Run(model=model, ulysses_degree=ulysses, ring_degree=ring, topology=topology, seed=1, steps=steps,
               extra=(*compiled, *extra))
     (out / "cases.json").write_text(json.dumps(CASES))
-    (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR, "topk": STATIC, "auto": V_MAJOR_AUTO, "fp8": FP8, **POLICIES}))
+    (out / "variants.json").write_text(json.dumps({"vmajor": V_MAJOR, "topk": STATIC, "topk-exact": STATIC_EXACT, "auto": V_MAJOR_AUTO, "fp8": FP8, **POLICIES}))
     argv = run.argv(backends, out) + ["--cases", str(out / "cases.json"), "--variants", str(out / "variants.json")]
     (out / "stderr.txt").write_text(launcher.torchrun(run.world_size, argv, timeout=900).stderr)
     return out
@@ -192,6 +194,16 @@ def test_compiled_v_major_gives_the_eager_images(generated):
     compiled, eager = _images(generated("flux-u2"), "flux-u2", "topk"), _images(eager_out, "flux-u2", "topk")
     psnr = [10 * np.log10(1 / np.mean((a.astype(np.float64) - b) ** 2)) for a, b in zip(compiled, eager)]
     assert min(psnr) >= 80, psnr
+
+
+def test_v_major_with_static_shapes_sending_every_token_as_values_is_exact(generated):
+    # Every exchange through V-Major's static path (caches, rows, split sizes), every token as its
+    # value: the images are V-First's exact ones, bitwise.
+    out = generated("flux-u2 eager")
+    ran = _result(out, "flux-u2", "topk-exact")["ran"]
+    assert set(ran["exchanges"]) == {"v-major one-phase"} and ran["fallbacks"] == {}, ran
+    assert ran["v_major"]["active"] == ran["v_major"]["tokens"] > 0 and ran["slow_link_bytes"] == ran["slow_link_bytes_exact"], ran
+    assert np.array_equal(_images(out, "flux-u2", "topk-exact"), _images(out, "flux-u2", "cocodiff+vfirst"))
 
 
 def test_compiled_v_major_holds_functional_collectives_and_no_host_read(generated):

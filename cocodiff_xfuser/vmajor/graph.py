@@ -35,6 +35,7 @@ from cocodiff_xfuser.vmajor import policy
 
 logger = logging.getLogger("cocodiff_xfuser")
 _all_to_all_single = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
+_wait_tensor = compat.torch_private("torch.distributed._functional_collectives", "wait_tensor")
 
 
 def applies(exchanger, layer: policy.Layer | None) -> bool:
@@ -82,7 +83,7 @@ class LayerCall:
         self.residual = None if exact else residual
         self.active: torch.Tensor | None = None  # this rank's rows (ascending), where fewer than every one
         self.peers: torch.Tensor | None = None  # [R, k] the rows of each remote group rank, from V's masks
-        self.exchanged: torch.Tensor | None = None
+        self.v: _InFlight | None = None  # V's exchange in flight
 
 
 def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> LayerCall:
@@ -97,26 +98,31 @@ def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> 
                                    _crossing(call, call.caches["v"][0]), 4, (0, 1, 3, 5))
         ranks, _ = policy.reference_ranks(keys)
         call.active, _ = policy.reference_top(ranks, call.k)
-    call.exchanged = _exchange(call, "v", stacked, label, by_receiver=False)
+    call.v = _issue(call, "v", stacked, label, by_receiver=False)
     return call
 
 
 def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q's and K's exchanges, then V's result: head-sharded Q, K, V (``[b, h/W, W*s, d]``)."""
+    """Q's and K's exchanges, then V's result: head-sharded Q, K, V (``[b, h/W, W*s, d]``). Q/K's
+    exchange is issued before V's is received, whose masks tell Q/K's receivers the rows."""
     follows = call.settings.scope in ("qkv", "qkvo") and call.caches is not None
-    exchanger = call.exchanger
-    if follows and query.shape[2] == call.shape[4] and query.shape == key.shape:
-        query, key = ulysses_collectives.sequence(_exchange(call, "qk", _stacked(exchanger, (query, key)), "qk", by_receiver=False))
-    else:
-        if query.shape == key.shape:
-            query, key = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query, key), "qk"))
-        else:
-            (query,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query,), "q"))
-            if follows and key.shape[2] == call.shape[4]:
-                (key,) = ulysses_collectives.sequence(_exchange(call, "k", _stacked(exchanger, (key,)), "k", by_receiver=False))
-            else:
-                (key,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (key,), "k"))
-    (value,) = ulysses_collectives.sequence(call.exchanged)
+    exchanger, tokens = call.exchanger, call.shape[4]
+    if follows and query.shape[2] == tokens and query.shape == key.shape:
+        pending = _issue(call, "qk", _stacked(exchanger, (query, key)), "qk", by_receiver=False)
+        (value,) = ulysses_collectives.sequence(_receive(call, call.v))
+        query, key = ulysses_collectives.sequence(_receive(call, pending))
+        return query, key, value
+    if query.shape == key.shape:
+        query, key = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query, key), "qk"))
+    else:  # the query carries joint tokens: exact; K follows V where it can
+        (query,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query,), "q"))
+        if follows and key.shape[2] == tokens:
+            pending = _issue(call, "k", _stacked(exchanger, (key,)), "k", by_receiver=False)
+            (value,) = ulysses_collectives.sequence(_receive(call, call.v))
+            (key,) = ulysses_collectives.sequence(_receive(call, pending))
+            return query, key, value
+        (key,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (key,), "k"))
+    (value,) = ulysses_collectives.sequence(_receive(call, call.v))
     return query, key, value
 
 
@@ -130,7 +136,7 @@ def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
         return ulysses_collectives.output(exchanger, out, heads)
     # [b, h/W, W*s, d] -> [W, 1, b, h/W, s, d]: token block j for group rank j
     x = transport.wire_values(out.reshape(b, local_heads, world, s, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
-    exchanged = _exchange(call, "o", x, "out", by_receiver=True)
+    exchanged = _receive(call, _issue(call, "o", x, "out", by_receiver=True))
     # [W, 1, b, h/W, s, d]: head block i from rank i -> [b, W, h/W, s, d] -> [b, h, s, d]
     result = exchanged.squeeze(1).transpose(0, 1).reshape(b, world * local_heads, s, d)
     return result if result.shape[1] == heads else result[:, :heads]
@@ -196,17 +202,27 @@ def _token_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
     return v.shape[1] * v.shape[2] * v.shape[3] * residuals.row_bytes(v.shape[5], dtype)
 
 
-def _exchange(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver: bool) -> torch.Tensor:
-    """The exchange ``name`` ('v', 'qk', 'k' or 'o') of destination-major ``x`` (``[W, n, b, h/W, s, d]``):
+class _InFlight:
+    """An exchange :func:`_issue` issued, which :func:`_receive` completes: ``out``, what arrived,
+    in pieces of ``sizes``; ``received``, the receivers' copy it updates (None: ``out`` is the result)."""
+
+    def __init__(self, name: str, out: torch.Tensor, received: torch.Tensor | None, sizes: list[int], data_bytes: int,
+                 by_receiver: bool) -> None:
+        self.name, self.out, self.received, self.sizes, self.data_bytes = name, out, received, sizes, data_bytes
+        self.by_receiver = by_receiver
+
+
+def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver: bool) -> _InFlight:
+    """Issue the exchange ``name`` ('v', 'qk', 'k' or 'o') of destination-major ``x`` (``[W, n, b, h/W, s, d]``):
     node-mates get whole chunks; each rank on another node the call's rows, as values or residuals
-    against the layer's reference, which the senders update, into the receivers' copy of the last
-    result, which the result is (source-major). The rows: this rank's ``active``, its mask ahead in
-    V's exchange (whose receivers learn ``peers``); with ``by_receiver`` (the output) each
-    receiver's own active rows, which it knows."""
-    if call.caches is None:  # outside a pipeline call: the exact exchange
-        commstats.traced("count_fallback", "v-major: outside a pipeline call")
-        return ulysses_collectives.all_to_all(call.exchanger, x, label)
-    world, n, b, local_heads, s, d = x.shape
+    against the layer's reference, which the senders update here. The rows: this rank's ``active``,
+    its mask ahead in V's exchange (whose receivers learn ``peers``); with ``by_receiver`` (the
+    output) each receiver's own active rows, which it knows."""
+    if call.caches is None:  # outside a pipeline call, or beyond the budget: the exact exchange
+        if call.layer.clock.current is None:
+            commstats.traced("count_fallback", "v-major: outside a pipeline call")
+        return _InFlight(name, ulysses_collectives.all_to_all(call.exchanger, x, label), None, [], 0, by_receiver)
+    _, n, b, local_heads, s, d = x.shape
     reference, received = call.caches["qk" if name == "k" else name]
     if name == "k":  # K alone: the second plane of Q/K's caches
         reference, received = reference[:, 1:], received[:, 1:]
@@ -223,7 +239,7 @@ def _exchange(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiv
     piece = -(-data_bytes // 4) * 4
     padding_bytes = x.new_zeros(piece - data_bytes, dtype=torch.uint8) if piece > data_bytes else None
     sizes = [full if fast else piece for fast in call.fast]
-    # Sent: the whole chunk to node-mates; to each rank on another node, its rows (after their mask).
+    # The whole chunk to node-mates; to each rank on another node, its rows (after their mask).
     pieces, mask = [], None if not with_mask else sparse.mask_of(call.active, s)
     for j, fast in enumerate(call.fast):
         if fast:
@@ -236,27 +252,40 @@ def _exchange(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiv
         if padding_bytes is not None:
             pieces.append(padding_bytes)
     out = _all_to_all_single(torch.cat(pieces), sizes, sizes, call.exchanger.group.group_name)
-    # Received: node-mates' chunks replace theirs, other nodes' rows update theirs.
+    commstats.traced("count_exchange", "v-major one-phase", label, len(call.remote) * piece, len(call.remote) * full)
+    if not every:
+        commstats.traced("count_v_major_sparse", name)
+    return _InFlight(name, out, received, sizes, data_bytes, by_receiver)
+
+
+def _receive(call: LayerCall, pending: _InFlight) -> torch.Tensor:
+    """Complete ``pending`` into the receivers' copy (source-major ``[W, n, b, h/W, s, d]``), which it
+    returns: node-mates' chunks replace theirs, other nodes' rows update theirs. Waited for here,
+    where its result is first read (eagerly: once, not on every operation on it)."""
+    out = _wait_tensor(pending.out)
+    received = pending.received
+    if received is None:
+        return out
+    _, n, b, local_heads, s, d = received.shape
+    residual, k, every = call.residual, call.k, call.k == s
+    with_mask = pending.name == "v" and not every
+    wire = transport.wire_dtype(received.dtype)
+    travels = wire if residual is None else torch.uint8 if residual == torch.int4 else residual
+    index = sparse.mask_bytes(s) if with_mask else 0
     peers = []
-    for i, part in enumerate(out.split(sizes)):
+    for i, part in enumerate(out.split(pending.sizes)):
         if call.fast[i]:
             received[i].copy_(part.view(wire).view(n, b, local_heads, s, d))
             continue
         if with_mask:
-            rows = sparse.reference_rows_of(part[: sparse.mask_bytes(s)], s, k)
+            rows = sparse.reference_rows_of(part[:index], s, k)
             peers.append(rows)
-            part = part[sparse.mask_bytes(s):]
         else:
-            rows = None if every else call.active if by_receiver else call.peers[call.remote.index(i)]
-        travels = wire if residual is None else torch.uint8 if residual == torch.int4 else residual
-        values = part[: data_bytes - (sparse.mask_bytes(s) if with_mask else 0)].view(travels).view(n, b, local_heads, k, -1)
-        residuals.apply(received[i], values.to(x.dtype) if residual is None else values, rows, 3, residual is not None)
+            rows = None if every else call.active if pending.by_receiver else call.peers[call.remote.index(i)]
+        values = part[index:pending.data_bytes].view(travels).view(n, b, local_heads, k, -1)
+        residuals.apply(received[i], values.to(received.dtype) if residual is None else values, rows, 3, residual is not None)
     if with_mask:
         call.peers = torch.stack(peers)
-    exact = len(call.remote) * full
-    commstats.traced("count_exchange", "v-major one-phase", label, len(call.remote) * piece, exact)
-    if not every:
-        commstats.traced("count_v_major_sparse", name)
     return received
 
 
