@@ -5,8 +5,9 @@ in a process of its own), two pipeline calls each, and records dynamo's counters
 and after each call (``tools/generate.py``: frames converted, graph breaks by reason). A recompile
 converts a frame again, so "no recompile after the first call" is "as many frames after the
 second call as after the first". An exact layer's exchanges (xfuser's routed one, V-First's) are
-functional collectives of the graph, as stock's are, read in the code inductor generated; V-Major's
-and fp8's are operators of the graph (no break), decided in the graph, auto's steps included (a
+functional collectives of the graph, as stock's are, read in the code inductor generated, and so
+are V-Major's with static shapes (top-k); the other policies' and fp8-slow's exchanges are
+operators of the graph (no break), decided in the graph, auto's steps included (a
 step's hand-off to stock is one bool the graphs guard: two of them, made in the first call); the only
 graph breaks cocodiff may add are the ring attention's and, under a ring, the V-First processors'
 exchange entry points (disabled for dynamo: their host work runs between graphs).

@@ -84,8 +84,9 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     every rank (collective). With ``repeat``, time that many more runs of the last case (``comm``:
     their communication statistics). ``on_call`` follows every pipeline call. Returns ``runner``,
     ``images`` (this rank's output, per case), ``timings``, ``comm``, ``ran`` (summed over the
-    ranks), ``launches`` (every rank's collective launches) and, compiled, ``inductor_code``: the
-    code inductor generated for this rank's graphs (cache hits included)."""
+    ranks), ``launches`` (every rank's collective launches), ``resident`` (every rank's resident
+    memory after each case, bytes) and, compiled, ``inductor_code``: the code inductor generated
+    for this rank's graphs (cache hits included)."""
     from xfuser.runner import xFuserModelRunner
 
     from cocodiff_xfuser import commstats
@@ -105,7 +106,7 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     input_args = runner.preprocess_args(args)
     input_args["output_type"] = "np"
     runner.initialize(input_args)
-    images, timings, dynamo = [], [], [compile_counts()]
+    images, timings, dynamo, resident = [], [], [compile_counts()], []
     flags = dict(input_args)
     for case in cases:
         input_args = {**flags, **case_args(case)}
@@ -113,6 +114,7 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
         images.append(list(output.images))
         timings += case_timings
         dynamo.append(compile_counts())
+        resident.append(resident_bytes())
         if on_call is not None:
             on_call()
     comm = None
@@ -123,7 +125,13 @@ def run_backend(args: dict, cases: list, repeat: int = 0, sync_dir: Path | None 
     ran = commstats.sum_ran(gather(commstats.ran()))
     launches = gather(transport.launches()[launched_before:])
     return {"runner": runner, "input_args": input_args, "images": images, "timings": timings, "comm": comm,
-            "ran": ran, "launches": launches, "dynamo": gather(dynamo), "inductor_code": code}
+            "ran": ran, "launches": launches, "dynamo": gather(dynamo), "resident": gather(resident), "inductor_code": code}
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux's ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def compile_counts() -> dict:
@@ -192,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             if is_last_process():
                 path = output_dir(mine.out, model, backend)
                 _save(path, done["images"], done["timings"], done["input_args"], done["comm"], mine.save_png,
-                      done["ran"], done["launches"] if transport.auditing() else None, cases, done["dynamo"])
+                      done["ran"], done["launches"] if transport.auditing() else None, cases, done["dynamo"], done["resident"])
                 if done["inductor_code"] is not None:
                     (path / "inductor_code.json").write_text(json.dumps(done["inductor_code"]))
     if runner is not None:
@@ -262,6 +270,7 @@ def _save(
     launches: list | None,
     cases: list,
     dynamo: list,
+    resident: list,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
     per_case = [np.stack([np.asarray(image) for image in case]) for case in images]
@@ -288,6 +297,7 @@ def _save(
         "ran": ran,
         "launches": launches,
         "dynamo": dynamo,
+        "resident_bytes": resident,
     }
     (out / "result.json").write_text(json.dumps(result))
 

@@ -6,18 +6,23 @@ them, :func:`capacity`), chosen on the device by a top-k of the integer change k
 feedback: a token left out keeps its distance to the value the receivers hold, and is ranked by it
 again at the next step. Each exchange is one ``all_to_all_single`` over the Ulysses group with
 split sizes fixed by the shapes and that count (node-mates get whole chunks, ranks on other nodes
-the rows, after a bitmask of them where the sender chose them), which inductor schedules and a
-CUDA graph captures as stock's exchange. No operator of cocodiff's, no host read.
+the rows, after a bitmask of them in V's exchange, whose receivers learn from it which rows Q/K's
+and the output's carry), which inductor schedules and a CUDA graph captures as stock's exchange.
+No operator of cocodiff's, no host read. V's exchange is issued before Q and K are projected and
+received after Q/K's is issued.
 
-Per-call state is the step's *phase* (:attr:`.clock.Clock.phase`: ``first``, ``whole``,
+Per-call state is the step's *phase* (:attr:`.clock.Clock.phase`: ``first``, ``whole``, ``exact``,
 ``sparse``; ``outside`` a pipeline call) and the CFG branch, which a graph reads as constants
-(dynamo guards them: a handful of graphs), and the caches (the senders' references and the
-receivers' results), tensors created by the first step's graph and updated in place by the
-others, kept by the pipeline call (:attr:`.clock.Call.held`). What ran is counted when the graph
-is traced (:func:`cocodiff_xfuser.commstats.traced`).
+(dynamo guards them: a handful of graphs, made in the first pipeline call). The caches (the
+senders' references and the receivers' results) are tensors the layer keeps from call to call
+(:func:`_kept`), static inputs of its graphs, updated in place and zeroed by each call's first
+step, so a request served after others gives the image a fresh process gives. What ran is counted
+when the graph is traced (:func:`cocodiff_xfuser.commstats.traced`).
 
-Scopes, residual dtypes and the first step follow :class:`cocodiff_xfuser.settings.VMajorSettings`.
-Layers under another policy (counts that change per step), a ring, fp8 on the wire or padded
+Scopes, residual dtypes, warm-up, refresh and the first step follow
+:class:`cocodiff_xfuser.settings.VMajorSettings`. Counts that depend on the data (budget,
+threshold) or on the step (schedule) cannot be fixed before a graph is traced without carrying one
+request's measurements into the next: those policies, auto, a ring, fp8 on the wire and padded
 tokens take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`).
 """
 
@@ -73,7 +78,7 @@ class LayerCall:
         self.remote = level.remote
         self.fast = tuple([level.fast(j) for j in range(exchanger.world_size)])
         tokens = v.shape[4]
-        k = tokens if self.phase != "sparse" else capacity(layer, tokens)
+        k = tokens if self.phase != "sparse" or self.caches is None else capacity(layer, tokens)
         residual = self.settings.residual
         if residual is not None and sparse.whole_is_smaller(k, tokens, _token_bytes(v, residual)):
             k = tokens
@@ -92,7 +97,8 @@ def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> 
     stacked = _stacked(exchanger, (value,))
     call = LayerCall(exchanger, layer, stacked)
     s = stacked.shape[4]
-    commstats.traced("count_v_major", call.phase, layer.index, call.k, s)
+    if call.caches is not None:
+        commstats.traced("count_v_major", call.phase, layer.index, call.k, s)
     if call.k < s:
         keys = policy.token_change(call.settings.rule.metric, _crossing(call, stacked),
                                    _crossing(call, call.caches["v"][0]), 4, (0, 1, 3, 5))
