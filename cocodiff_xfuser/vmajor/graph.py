@@ -87,6 +87,7 @@ class LayerCall:
         exact = self.phase == "exact" or (self.phase == "first" and self.settings.first_step != "residual")
         self.residual = None if exact else residual
         self.active: torch.Tensor | None = None  # this rank's rows (ascending), where fewer than every one
+        self.mask: torch.Tensor | None = None  # their mask, as V's exchange sends it ahead of them
         self.peers: torch.Tensor | None = None  # [R, k] the rows of each remote group rank, from V's masks
         self.v: _InFlight | None = None  # V's exchange in flight
 
@@ -102,8 +103,8 @@ def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> 
     if call.k < s:
         keys = policy.token_change(call.settings.rule.metric, _crossing(call, stacked),
                                    _crossing(call, call.caches["v"][0]), 4, (0, 1, 3, 5))
-        ranks, _ = policy.reference_ranks(keys)
-        call.active, _ = policy.reference_top(ranks, call.k)
+        ranks, _ = policy.rank(keys)
+        call.active, call.mask = policy.top(ranks, call.k)
     call.v = _issue(call, "v", stacked, label, by_receiver=False)
     return call
 
@@ -246,7 +247,7 @@ def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver:
     padding_bytes = x.new_zeros(piece - data_bytes, dtype=torch.uint8) if piece > data_bytes else None
     sizes = [full if fast else piece for fast in call.fast]
     # The whole chunk to node-mates; to each rank on another node, its rows (after their mask).
-    pieces, mask = [], None if not with_mask else sparse.mask_of(call.active, s)
+    pieces, mask = [], call.mask
     for j, fast in enumerate(call.fast):
         if fast:
             pieces.append(_bytes(transport.on_wire(x[j])))
