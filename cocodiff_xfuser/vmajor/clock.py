@@ -184,9 +184,9 @@ class Clock:
     """
 
     def __init__(self, group: Any = None, trial_from: int | None = None, arms: tuple[str, ...] = ARMS,
-                 warmup_steps: int = 1, refresh_every: int = 0) -> None:
+                 settings: VMajorSettings | None = None) -> None:
         self.layers = 0  # V-Major layers attached to this clock (Ulysses and ring)
-        self.warmup_steps, self.refresh_every = warmup_steps, refresh_every
+        self.settings = settings  # its layers' (the warm-up and refresh steps of :attr:`phase`)
         self.cache_bytes = 0  # what the layers with static shapes keep (:mod:`.graph`), against their budget
         #: The step's kind for layers with static shapes (:mod:`.graph`), fixed at its tick, all a
         #: compiled graph reads of the step (so a handful of graphs): ``outside`` a pipeline call,
@@ -257,9 +257,10 @@ class Clock:
             return "outside"
         if call.step == 0:
             return "first"
-        if self.refresh_every and call.step % self.refresh_every == 0:
+        settings = self.settings
+        if settings is not None and settings.refresh_every and call.step % settings.refresh_every == 0:
             return "exact"
-        return "whole" if call.step < self.warmup_steps else "sparse"
+        return "whole" if settings is not None and call.step < settings.warmup_steps else "sparse"
 
     def outside_call(self) -> None:
         """A V-Major layer ran with no pipeline call open (its transformer called by a loop of the
@@ -323,8 +324,7 @@ def attach_clock(
 
     trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
     arms = ARMS if stock else tuple(arm for arm in ARMS if arm != "stock")
-    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms,
-                  *((settings.warmup_steps, settings.refresh_every) if settings is not None else ()))
+    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms, settings)
     transformer.register_forward_pre_hook(before, with_kwargs=True)
     transformer.register_forward_hook(torch.compiler.disable(lambda module, args, output: clock.settle()))
     return clock
