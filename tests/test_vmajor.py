@@ -84,6 +84,20 @@ def test_clock_counts_steps_and_branches_within_each_pipeline_call():
     assert clock.current is None
 
 
+def test_the_clock_names_each_steps_phase_for_static_shapes():
+    # All a compiled graph of V-Major's static path reads of the step: a handful of values.
+    clock = vmajor_clock.Clock(settings=VMajorSettings.load(policy="top-k", warmup_steps=2, refresh_every=4))
+    clock.tick(1.0)
+    phases = [clock.phase]
+    clock.open()
+    for t in range(7):
+        clock.tick(1.0 - t / 8)
+        phases.append(clock.phase)
+    clock.close()
+    clock.tick(0.5)
+    assert phases + [clock.phase] == ["outside", "first", "whole", "sparse", "sparse", "exact", "sparse", "sparse", "outside"]
+
+
 def test_a_layer_outside_a_pipeline_call_exchanges_exactly(caplog):
     from cocodiff_xfuser import commstats
 
