@@ -1,10 +1,11 @@
 """A compiled layer's exact Ulysses exchanges, as the graph holds them: functional collectives.
 
-Traced by torch.compile, a layer whose exchanges are exact or fp8 on every link (no V-Major, no
-fp8-slow, no padded tokens, no ring: :func:`applies`) holds plain traceable torch: each
-exchange is ``all_to_all_single`` over the Ulysses group, or TAPA's one per topology level
-(:mod:`cocodiff_xfuser.comm.functional`), which inductor schedules and a CUDA graph captures, as it
-does stock's; no operator of cocodiff's, no host read, and no Python when the graph runs. V-First
+Traced by torch.compile, a layer whose exchanges are exact, fp8 on every link or fp8 on the slow
+links only (no V-Major, no padded tokens, no ring: :func:`applies`) holds plain traceable torch:
+each exchange is ``all_to_all_single`` over the Ulysses group, or TAPA's one per topology level
+(:mod:`cocodiff_xfuser.comm.functional`), or fp8-slow's one with split sizes (values to node-mates,
+fp8 rows to other nodes), which inductor schedules and a CUDA graph captures, as it does stock's;
+no operator of cocodiff's, no host read, and no Python when the graph runs. V-First
 is program order: V's all-to-all is written before Q and K are projected (:func:`start`) and waited
 for where attention reads it (:func:`exchange_inputs`); xDiT's overlap passes (``raise_comms``,
 ``sink_waits``) keep it so. What an exchange needs to know is fixed when the graph is traced: its
@@ -23,12 +24,11 @@ from cocodiff_xfuser.exchanger import Exchanger
 
 
 def applies(exchanger: Exchanger, layer: object | None) -> bool:
-    """Whether a traced layer's exchanges are functional collectives: no V-Major ``layer``, exact or
-    fp8 on every link (fp8-slow's rows travel as V-Major's do), no padded tokens in the running
-    forward (whose trim keeps a host-side index), and no ring. Under a ring the graph breaks at the
+    """Whether a traced layer's exchanges are functional collectives: no V-Major ``layer``, no padded
+    tokens in the running forward (whose trim keeps a host-side index), and no ring. Under a ring the graph breaks at the
     ring attention (in stock too) and dynamo traces the layer's pieces as frames of their own, again
     per block type with dynamic sizes, which a graph cannot name when it is traced: operators there."""
-    return (layer is None and exchanger.ring_group is None and exchanger.options.compress in ("none", "fp8")
+    return (layer is None and exchanger.ring_group is None and exchanger.options.compress in ("none", "fp8", "fp8-slow")
             and not padding.tokens_padded())
 
 
@@ -44,6 +44,8 @@ def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tenso
     """The equal-split all-to-all of ``x`` (chunks destination-major along the flattened data, as
     xfuser's ``_sdpa_all_to_all_single``; rows of its last dim) over the Ulysses group, by the route
     fixed for its size; under ``--cocodiff-compress fp8`` packed as the exchanger packs it."""
+    if exchanger.options.compress == "fp8-slow" and exchanger.slow_level is not None and x.dtype in compress.WIDE:
+        return _slow_fp8(exchanger, x, label)
     world, d = exchanger.world_size, x.shape[-1]
     exact_bytes = x.numel() * transport.wire_itemsize(x.dtype)
     fp8 = exchanger.options.compress == "fp8" and x.dtype in compress.WIDE
@@ -54,6 +56,34 @@ def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tenso
     if fp8:
         out = compress.unpack(out, x.numel() // (world * d), d, x.dtype)
     return out.reshape(x.shape)
+
+
+def _slow_fp8(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor:
+    """:func:`all_to_all` under ``--cocodiff-compress fp8-slow``: node-mates get the values, ranks on
+    other nodes every row in fp8 with its scale, in one exchange with split sizes fixed by the shape."""
+    world, d, level = exchanger.world_size, x.shape[-1], exchanger.slow_level
+    # [W * ..., d] -> [W, rows, d]: chunk j for group rank j
+    chunks = transport.wire_values(x).reshape(world, -1, d)
+    rows = chunks.shape[1]
+    wire = transport.wire_dtype(x.dtype)
+    full, packed = rows * d * wire.itemsize, compress.packed_bytes(rows, d)
+    piece = -(-packed // 4) * 4  # padded to 4 bytes: what follows starts aligned for its dtype's view
+    sizes = [full if level.fast(j) else piece for j in range(world)]
+    pieces = []
+    for j in range(world):
+        if level.fast(j):
+            pieces.append(transport.on_wire(chunks[j]).contiguous().view(-1).view(torch.uint8))
+            continue
+        pieces.append(compress.pack_rows(chunks[j]).view(-1))  # [rows, d + 4] bytes
+        if piece > packed:
+            pieces.append(x.new_zeros(piece - packed, dtype=torch.uint8))
+    out = functional.uneven_all_to_all(torch.cat(pieces), sizes, exchanger.group.group_name)
+    remote = len(level.remote)
+    commstats.traced("count_exchange", "fp8-slow one-phase", label, remote * piece, remote * full)
+    received = [part.view(wire).view(rows, d).to(x.dtype) if level.fast(i) else
+                compress.unpack_rows(part[:packed].view(rows, compress.packed_bytes(1, d)), x.dtype)
+                for i, part in enumerate(out.split(sizes))]
+    return torch.stack(received).reshape(x.shape)
 
 
 class InFlight:

@@ -28,6 +28,12 @@ def all_to_all(x: torch.Tensor, group: str) -> torch.Tensor:
     return _all_to_all_single(x.contiguous(), None, None, group)
 
 
+def uneven_all_to_all(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:
+    """The all-to-all of flat ``x`` over ``group`` in pieces of ``sizes`` both ways (piece j to and
+    from group rank j: what every pair sends each other is the same size, fixed by the shapes)."""
+    return _all_to_all_single(x, sizes, sizes, group)
+
+
 def levels_all_to_all(x: torch.Tensor, levels: Sequence[int], groups: Sequence[str]) -> torch.Tensor:
     """:func:`all_to_all` of ``x`` over a group spanning topology ``levels`` (outermost first,
     product W; group rank ``g = ravel(g_0, ...)``) as one exchange per level over ``groups``

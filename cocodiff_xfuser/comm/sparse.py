@@ -38,7 +38,7 @@ on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import torch
@@ -77,17 +77,14 @@ class SlowLevel:
         per_node = [self.node.count(n) for n in set(self.node)]
         return len(set(per_node)) == 1
 
+    def __post_init__(self) -> None:
+        # Plain attributes, made here: a compiled graph reads them (a cached property's lock it cannot trace).
+        self._fast = tuple(n == self.node[self.me] for n in self.node)
+        #: The group ranks on other nodes than this rank's.
+        self.remote = tuple(j for j in range(len(self.node)) if not self._fast[j])
+
     def fast(self, j: int) -> bool:
         return self._fast[j]
-
-    @cached_property
-    def _fast(self) -> tuple[bool, ...]:
-        return tuple(n == self.node[self.me] for n in self.node)
-
-    @cached_property
-    def remote(self) -> tuple[int, ...]:
-        """The group ranks on other nodes than this rank's."""
-        return tuple(j for j in range(len(self.node)) if not self._fast[j])
 
     def at(self, node: int, lane: int) -> int:
         return next(j for j in range(len(self.node)) if self.node[j] == node and self.lane[j] == lane)

@@ -34,12 +34,11 @@ import math
 import torch
 
 from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives
-from cocodiff_xfuser.comm import residuals, sparse, transport
+from cocodiff_xfuser.comm import functional, residuals, sparse, transport
 from cocodiff_xfuser.settings import TopK
 from cocodiff_xfuser.vmajor import policy
 
 logger = logging.getLogger("cocodiff_xfuser")
-_all_to_all_single = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
 _wait_tensor = compat.torch_private("torch.distributed._functional_collectives", "wait_tensor")
 
 
@@ -258,7 +257,7 @@ def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver:
         pieces += [mask, data] if with_mask else [data]
         if padding_bytes is not None:
             pieces.append(padding_bytes)
-    out = _all_to_all_single(torch.cat(pieces), sizes, sizes, call.exchanger.group.group_name)
+    out = functional.uneven_all_to_all(torch.cat(pieces), sizes, call.exchanger.group.group_name)
     commstats.traced("count_exchange", "v-major one-phase", label, len(call.remote) * piece, len(call.remote) * full)
     if not every:
         commstats.traced("count_v_major_sparse", name)
