@@ -147,9 +147,11 @@ def rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
 
 
 def reference_rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
-    """:func:`rows_of` as torch computes it: each set bit's rank among the set bits is its slot."""
+    """:func:`rows_of` as torch computes it: each set bit's rank among the set bits is its slot (bits
+    past the k-th, which a well-formed mask has none of, to the spare slot too: nothing is written
+    out of range, whatever the bytes)."""
     bits = ((mask.unsqueeze(-1) >> _bit_positions(mask.device)) & 1).flatten(-2)[..., :s]  # [..., s]
-    slot = torch.where(bits.bool(), bits.long().cumsum(-1) - 1, k)  # unset rows to a spare slot
+    slot = torch.where(bits.bool(), (bits.long().cumsum(-1) - 1).clamp(max=k), k)  # unset rows to a spare slot
     every = torch.arange(s, device=mask.device).expand_as(slot)
     return torch.empty(*slot.shape[:-1], k + 1, dtype=torch.long, device=mask.device).scatter_(-1, slot, every)[..., :k]
 

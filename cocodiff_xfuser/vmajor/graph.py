@@ -284,7 +284,7 @@ def _receive(call: LayerCall, pending: _InFlight) -> torch.Tensor:
             received[i].copy_(part.view(wire).view(n, b, local_heads, s, d))
             continue
         if with_mask:
-            rows = sparse.reference_rows_of(part[:index], s, k)
+            rows = sparse.rows_of(part[:index], s, k)
             peers.append(rows)
         else:
             rows = None if every else call.active if pending.by_receiver else call.peers[call.remote.index(i)]

@@ -51,10 +51,11 @@ def test_inductors_cudagraphs_log_is_counted_and_left_as_it_was():
 def test_an_unknown_configuration_is_one_line(capsys):
     assert cli.main(["bench", "graphs", "--configs", "cocodiff,eager"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "cocodiff bench graphs: --configs: eager not among stock, cocodiff, cocodiff+vfirst, cocodiff+vfirst+vmajor")
+        "cocodiff bench graphs: --configs: eager not among stock, cocodiff, cocodiff+vfirst, cocodiff+vfirst+vmajor, "
+        "cocodiff+vfirst+vmajor-topk")
 
 
-@pytest.mark.slow  # compiles four models: 82 s here with inductor's cache cold (19 s warm)
+@pytest.mark.slow  # compiles five models: 82 s here with inductor's cache cold for four (19 s warm)
 @pytest.mark.distributed  # the fake world and xfuser's groups belong to the process: a process of its own
 def test_every_configuration_runs_its_own_path_at_tiny_size(tmp_path):
     out = tmp_path / "graphs.json"
@@ -87,4 +88,8 @@ def test_every_configuration_runs_its_own_path_at_tiny_size(tmp_path):
     assert ran["cocodiff+vfirst+vmajor"]["v_first_calls"] == layers
     assert ran["cocodiff+vfirst+vmajor"]["v_major_sparse"] == {"qk+v": layers, "o": layers}
     assert 0 < ran["cocodiff+vfirst+vmajor"]["v_major_tokens"]["active"] <= ran["cocodiff+vfirst+vmajor"]["v_major_tokens"]["tokens"]
+    # V-Major's static path: its exchanges functional collectives, no operator of cocodiff's.
+    static = rows["cocodiff+vfirst+vmajor-topk"]
+    assert static["cocodiff_ops"] == {} and static["ran"]["v_first_calls"] == layers, static
+    assert "v-major one-phase" in static["ran"]["exchanges"] and static["ran"]["v_major_sparse"].get("v", 0) > 0, static["ran"]
     assert "cocodiff bench graphs: tiny" in done.stdout

@@ -11,7 +11,8 @@ process: torch's fake process group at world size 8, whose collectives move noth
 host work are real, values are not). Per configuration (``stock``: xfuser's processors and
 exchanges; ``cocodiff``: its exact exchange under xfuser's processors; ``+vfirst``: its V-First
 processors; ``+vmajor``: V-Major at its defaults over topology 2x4, so the Ulysses exchange crosses
-nodes), compiled as xDiT compiles FLUX, it reports:
+nodes; ``-topk``: V-Major under top-k, its static shapes, whose caches the graphs update in place),
+compiled as xDiT compiles FLUX, it reports:
 
 * from inductor's generated code: each graph's CUDA graph partitions (``Runner(partitions=...)``),
   and the lines that run cocodiff's operators (``torch.ops.cocodiff``) or read a device value on
@@ -56,7 +57,7 @@ import torch.distributed as dist
 
 from cocodiff_xfuser import compat
 
-CONFIGS = ("stock", "cocodiff", "cocodiff+vfirst", "cocodiff+vfirst+vmajor")
+CONFIGS = ("stock", "cocodiff", "cocodiff+vfirst", "cocodiff+vfirst+vmajor", "cocodiff+vfirst+vmajor-topk")
 WORLD = 8
 #: Two nodes of four: Ulysses 8 crosses nodes, so V-Major has a slow level to act on.
 TOPOLOGY = "2x4"
@@ -162,9 +163,12 @@ def _options(config: str):
     # is the backend's all-to-all; V-Major's sparse one is posted point to point (which
     # _echo_point_to_point completes): the fake all-to-all would hand V-Major this rank's own chunk
     # from every peer, read as masks of rows out of range.
+    # V-Major's static path exchanges through the (fake) all-to-all whatever the setting: the masks it
+    # reads then are whatever memory held, decoded within range (sparse.reference_rows_of).
     v_major = "vmajor" in config
+    settings = VMajorSettings.load(policy="top-k") if config.endswith("-topk") else VMajorSettings.load()
     return Options(topology=TOPOLOGY, a2a="flat-p2p" if v_major else "flat", v_first="vfirst" in config,
-                   v_major=VMajorSettings.load() if v_major else None)
+                   v_major=settings if v_major else None)
 
 
 def _use(config: str) -> None:
