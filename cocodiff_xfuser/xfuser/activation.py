@@ -95,7 +95,7 @@ def _routed_all_to_all(original):
             exchanger = job.exchanger()
             if ulysses_collectives.applies(exchanger, None):  # traced: functional collectives, routed now
                 return ulysses_collectives.all_to_all(exchanger, x, "usp")
-            # fp8 on the slow links, or a ring: one opaque operator in the graph, no break; it routes when the graph runs.
+            # A ring, or padded tokens: one opaque operator in the graph, no break; it routes when the graph runs.
             return torch.ops.cocodiff.ulysses_all_to_all(x)
         exchanger = job.exchanger()
         if exchanger is None:
