@@ -42,6 +42,8 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     (_USP, "_combined_qkv_all_to_all"),
     (_USP, "_ft_c_input_all_to_all"),
     (_USP, "_ft_c_output_all_to_all"),
+    # The runtime state of a transformer run without a pipeline (tools/xfuser_state.py).
+    ("xfuser.core.distributed.runtime_state", "_RUNTIME"),
 )
 
 
@@ -182,6 +184,12 @@ def private(module: str, name: str) -> Any:
         raise ValueError(f"{module}.{name} is not in compat.PRIVATE_NAMES; add it there")
     # Read on every call (a switch may have replaced it); the module is imported once.
     return target(sys.modules.get(module) or importlib.import_module(module), name)
+
+
+def set_private(module: str, name: str, value: Any) -> None:
+    """Set the private xfuser name ``module.name`` (one of :data:`PRIVATE_NAMES`, checked as :func:`private` checks it)."""
+    private(module, name)
+    setattr(sys.modules[module], name, value)
 
 
 def usp(name: str) -> Any:

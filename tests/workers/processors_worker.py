@@ -35,26 +35,14 @@ def setup(ulysses: int, ring: int) -> None:
     global RANK
     from xfuser import xFuserArgs
     from xfuser.core.distributed import init_distributed_environment, initialize_model_parallel
-    from xfuser.core.distributed import runtime_state
+
+    from cocodiff_xfuser.tools import xfuser_state
 
     init_distributed_environment()
     RANK = dist.get_rank()
     initialize_model_parallel(sequence_parallel_degree=ulysses * ring, ulysses_degree=ulysses, ring_degree=ring)
     engine_config, _ = xFuserArgs(model="tiny", ulysses_degree=ulysses, ring_degree=ring).create_config()
-
-    class State(runtime_state.DiTRuntimeState):
-        """xfuser's DiT runtime state without a pipeline (none is needed to run a transformer)."""
-
-        def __init__(self, config) -> None:
-            runtime_state.RuntimeState.__init__(self, config)
-            self.step_counter = None
-            self.split_text_embed_in_sp = True
-            self.text_embed_sp_pad = 0
-
-        def _check_distributed_env(self, parallel_config) -> None:
-            pass  # the groups exist already
-
-    runtime_state._RUNTIME = State(engine_config)
+    xfuser_state.install(engine_config)
 
     from cocodiff_xfuser.processors import ulysses as core
 

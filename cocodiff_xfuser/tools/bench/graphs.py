@@ -124,9 +124,11 @@ def _echo_point_to_point() -> None:
 
 def _xfuser(text: int) -> None:
     """xfuser's groups for Ulysses 8 over the fake world, and its runtime state without a pipeline
-    (as tests/workers/processors_worker.py builds them) for ``text`` tokens of text, compiled."""
+    (:mod:`cocodiff_xfuser.tools.xfuser_state`) for ``text`` tokens of text, compiled."""
     from xfuser import xFuserArgs
-    from xfuser.core.distributed import init_distributed_environment, initialize_model_parallel, runtime_state
+    from xfuser.core.distributed import init_distributed_environment, initialize_model_parallel
+
+    from cocodiff_xfuser.tools import xfuser_state
 
     new_group = dist.new_group
 
@@ -141,19 +143,7 @@ def _xfuser(text: int) -> None:
     finally:
         dist.new_group = new_group
     engine_config, _ = xFuserArgs(model="tiny", ulysses_degree=WORLD, use_torch_compile=True).create_config()
-
-    class State(runtime_state.DiTRuntimeState):
-        def __init__(self, config) -> None:
-            runtime_state.RuntimeState.__init__(self, config)
-            self.step_counter = None
-            self.split_text_embed_in_sp = True
-            self.text_embed_sp_pad = 0
-            self.max_condition_sequence_length = text  # what FLUX's pipeline sets per request
-
-        def _check_distributed_env(self, parallel_config) -> None:
-            pass  # the groups exist, and each configuration starts cocodiff's job itself
-
-    runtime_state._RUNTIME = State(engine_config)  # xfuser's own setter wants a pipeline
+    xfuser_state.install(engine_config, text)
 
 
 def _options(config: str):
