@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from cocodiff_xfuser import commstats, compat, padding
-from cocodiff_xfuser.comm import compress, functional, transport
+from cocodiff_xfuser.comm import compress, functional, sparse, transport
 from cocodiff_xfuser.exchanger import Exchanger
 
 
@@ -67,12 +67,12 @@ def _slow_fp8(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor
     rows = chunks.shape[1]
     wire = transport.wire_dtype(x.dtype)
     full, packed = rows * d * wire.itemsize, compress.packed_bytes(rows, d)
-    piece = -(-packed // 4) * 4  # padded to 4 bytes: what follows starts aligned for its dtype's view
+    piece = functional.aligned(packed)
     sizes = [full if level.fast(j) else piece for j in range(world)]
     pieces = []
     for j in range(world):
         if level.fast(j):
-            pieces.append(transport.on_wire(chunks[j]).contiguous().view(-1).view(torch.uint8))
+            pieces.append(sparse.as_bytes(transport.on_wire(chunks[j])))
             continue
         pieces.append(compress.pack_rows(chunks[j]).view(-1))  # [rows, d + 4] bytes
         if piece > packed:

@@ -28,6 +28,12 @@ def all_to_all(x: torch.Tensor, group: str) -> torch.Tensor:
     return _all_to_all_single(x.contiguous(), None, None, group)
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` padded to 4 bytes: a piece of :func:`uneven_all_to_all` that takes this many leaves
+    whatever follows it aligned for its dtype's view."""
+    return -(-nbytes // 4) * 4
+
+
 def uneven_all_to_all(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:
     """The all-to-all of flat ``x`` over ``group`` in pieces of ``sizes`` both ways (piece j to and
     from group rank j: what every pair sends each other is the same size, fixed by the shapes)."""

@@ -174,7 +174,8 @@ def index_size(k: int, s: int, by_receiver: bool = False) -> int:
     return 0 if by_receiver or k in (0, s) else mask_bytes(s)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as flat bytes (a view where it is contiguous)."""
     flat = t.contiguous().view(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
@@ -215,7 +216,7 @@ def _plane_rows(sources: tuple[int, ...], planes: int, s: int, device: torch.dev
 def _payload(rows: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
     """What goes over a slow link to one destination, in order: the mask of the rows (None: the
     receiver knows them), then the rows (the caller joins them with what travels beside them)."""
-    return [_bytes(rows)] if mask is None else [mask, _bytes(rows)]
+    return [as_bytes(rows)] if mask is None else [mask, as_bytes(rows)]
 
 
 def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -286,7 +287,7 @@ class SparseHandle:
         self.exact_bytes = len(remote) * p * s * d * transport.wire_itemsize(x.dtype)
         device = x.device
         mask = selection.mask(s) if index_size(selection.active.numel(), s, by_receiver) else None
-        chunks = _bytes(x).view(w, -1).unbind(0)
+        chunks = as_bytes(x).view(w, -1).unbind(0)
         if not two_phase:
             sizes = [self._bytes_from(j) for j in range(w)]
             # Other nodes' pieces, placed together per run of consecutive group ranks (back to back).

@@ -1,7 +1,7 @@
 """V-Major of a Ulysses layer with static shapes: plain torch that a compiled graph holds, and eager runs.
 
 A layer call sends, over slow links, a number of tokens fixed before it runs (top-k's share of
-them, :func:`capacity`), chosen on the device by a top-k of the integer change keys
+them, :func:`.policy.count`), chosen on the device by a top-k of the integer change keys
 (:func:`.policy.token_change`, ranked as a stable sort orders them), the rest carried by error
 feedback: a token left out keeps its distance to the value the receivers hold, and is ranked by it
 again at the next step. Each exchange is one ``all_to_all_single`` over the Ulysses group with
@@ -50,12 +50,6 @@ def applies(exchanger, layer: policy.Layer | None) -> bool:
             and exchanger.slow_level.exists and not padding.tokens_padded())
 
 
-def capacity(layer: policy.Layer, tokens: int) -> int:
-    """Rows a rank sends per exchange over slow links at a sparse step: top-k's share of ``tokens``."""
-    k = math.ceil(layer.settings.rule.fraction * tokens)
-    return min(k, tokens)
-
-
 class LayerCall:
     """One layer call's V-Major exchanges: V's (started by :func:`start_v`), then Q/K's and the
     output's, which follow V's selection where the scope says so and their shapes are V's."""
@@ -77,9 +71,9 @@ class LayerCall:
         self.remote = level.remote
         self.fast = tuple([level.fast(j) for j in range(exchanger.world_size)])
         tokens = v.shape[4]
-        k = tokens if self.phase != "sparse" or self.caches is None else capacity(layer, tokens)
+        k = tokens if self.phase != "sparse" or self.caches is None else policy.count(self.settings, clock, layer.index, 0, tokens)
         residual = self.settings.residual
-        if residual is not None and sparse.whole_is_smaller(k, tokens, _token_bytes(v, residual)):
+        if residual is not None and sparse.whole_is_smaller(k, tokens, policy.token_bytes(v, residual)):
             k = tokens
         self.k = k
         #: Residuals (None: values): values at a refresh, and at the first step unless its residuals are against zeros.
@@ -100,8 +94,8 @@ def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> 
     if call.caches is not None:
         commstats.traced("count_v_major", call.phase, layer.index, call.k, s)
     if call.k < s:
-        keys = policy.token_change(call.settings.rule.metric, _crossing(call, stacked),
-                                   _crossing(call, call.caches["v"][0]), 4, (0, 1, 3, 5))
+        keys = policy.token_change(call.settings.rule.metric, layer.crossing(stacked),
+                                   layer.crossing(call.caches["v"][0]), 4, (0, 1, 3, 5))
         ranks, _ = policy.rank(keys)
         call.active, call.mask = policy.top(ranks, call.k)
     call.v = _issue(call, "v", stacked, label, by_receiver=False)
@@ -195,19 +189,6 @@ def _stacked(exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return transport.wire_values(ulysses_collectives.stack(exchanger, tensors))
 
 
-def _crossing(call: LayerCall, x: torch.Tensor) -> torch.Tensor:
-    """The chunks of ``x`` (dim 0) that go to other nodes: a view where they are one run."""
-    runs = call.layer.runs
-    if len(runs) == 1:
-        return x[runs[0][0]:runs[0][1]]
-    return torch.cat([x[first:last] for first, last in runs])
-
-
-def _token_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
-    """One token's row of ``v`` (``[W, n, b, h/W, s, d]``) for one destination, as a residual in ``dtype``."""
-    return v.shape[1] * v.shape[2] * v.shape[3] * residuals.row_bytes(v.shape[5], dtype)
-
-
 class _InFlight:
     """An exchange :func:`_issue` issued, which :func:`_receive` completes: ``out``, what arrived,
     in pieces of ``sizes``; ``received``, the receivers' copy it updates (None: ``out`` is the result)."""
@@ -241,19 +222,18 @@ def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver:
     row = residuals.row_bytes(d, residual) if residual is not None else d * wire.itemsize
     full = n * b * local_heads * s * d * wire.itemsize
     data_bytes = n * b * local_heads * k * row + (sparse.mask_bytes(s) if with_mask else 0)
-    # Each piece padded to 4 bytes: whatever follows it starts aligned for its dtype's view.
-    piece = -(-data_bytes // 4) * 4
+    piece = functional.aligned(data_bytes)
     padding_bytes = x.new_zeros(piece - data_bytes, dtype=torch.uint8) if piece > data_bytes else None
     sizes = [full if fast else piece for fast in call.fast]
     # The whole chunk to node-mates; to each rank on another node, its rows (after their mask).
     pieces, mask = [], call.mask
     for j, fast in enumerate(call.fast):
         if fast:
-            pieces.append(_bytes(transport.on_wire(x[j])))
+            pieces.append(sparse.as_bytes(transport.on_wire(x[j])))
             continue
         rows = _every(s, x) if every else call.peers[call.remote.index(j)] if by_receiver else call.active
         payload = residuals.encode(x[j], reference[j], rows, 3, residual)
-        data = _bytes(payload if residual is not None else transport.on_wire(payload))
+        data = sparse.as_bytes(payload if residual is not None else transport.on_wire(payload))
         pieces += [mask, data] if with_mask else [data]
         if padding_bytes is not None:
             pieces.append(padding_bytes)
@@ -297,8 +277,3 @@ def _receive(call: LayerCall, pending: _InFlight) -> torch.Tensor:
 
 def _every(s: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=like.device)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().view(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

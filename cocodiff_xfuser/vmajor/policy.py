@@ -91,11 +91,11 @@ class Layer:
             commstats.count_v_major(call.step, self.index, v.shape[4], v.shape[4])
             selection = sparse.Selection.fixed(torch.arange(v.shape[4], device=v.device), v.shape[0])
         else:
-            selection = decide(self, self._crossing(v), None if reference is None else self._crossing(reference), 4,
-                               (0, 1, 3, 5), _row_bytes(v, residual) if residual else 0, v.shape[0])
+            selection = decide(self, self.crossing(v), None if reference is None else self.crossing(reference), 4,
+                               (0, 1, 3, 5), token_bytes(v, residual) if residual else 0, v.shape[0])
         return Step(self, caches, None if selection is None else selection.active, selection)
 
-    def _crossing(self, x: torch.Tensor) -> torch.Tensor:
+    def crossing(self, x: torch.Tensor) -> torch.Tensor:
         """The chunks of ``x`` (dim 0) that go to other nodes: a view where they are one run."""
         if len(self.runs) == 1:
             return x[self.runs[0][0]:self.runs[0][1]]
@@ -277,7 +277,7 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e + 1023) << 52).view(torch.float64)
 
 
-def _row_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
+def token_bytes(v: torch.Tensor, dtype: torch.dtype) -> int:
     """One token's row of V (``[W, 1, b, h/W, s, d]``) for one destination, as a residual in ``dtype``."""
     return v.shape[2] * v.shape[3] * residuals.row_bytes(v.shape[5], dtype)
 
