@@ -344,7 +344,7 @@ def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
 SIZES = ((32, 32), (32, 64), (64, 32), (64, 64), (48, 64), (64, 48))
 
 
-@pytest.mark.slow  # 22 s here: make test stays under 20 minutes
+@pytest.mark.slow  # make test stays under 20 minutes
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_a_service_of_many_sizes_holds_its_memory(tmp_path):
@@ -465,7 +465,7 @@ def test_ring_steps_of_no_token_or_every_token_travel_without_a_mask(residual, k
     # The two whose counts the data decides, agreed over the world (the ring's peers sit in other
     # Ulysses groups): a step may select no token. At 8 steps threshold's ring selected none, and
     # its receivers took the empty message for every token.
-    # (71 s here: in the slow tier, beside every policy, to keep make test under 20 minutes.)
+    # In the slow tier beside every policy: make test stays under 20 minutes.
     pytest.param(("threshold", "budget"), "int4", (8,), marks=pytest.mark.slow),
     pytest.param(POLICIES, "int4", (4, 8, 16), marks=pytest.mark.slow),
     pytest.param(POLICIES, "float8_e4m3fn", (4, 8, 16), marks=pytest.mark.slow),

@@ -55,7 +55,7 @@ def test_an_unknown_configuration_is_one_line(capsys):
         "cocodiff+vfirst+vmajor-topk")
 
 
-@pytest.mark.slow  # compiles five models: 82 s here with inductor's cache cold for four (19 s warm)
+@pytest.mark.slow  # compiles five models
 @pytest.mark.distributed  # the fake world and xfuser's groups belong to the process: a process of its own
 def test_every_configuration_runs_its_own_path_at_tiny_size(tmp_path):
     out = tmp_path / "graphs.json"
