@@ -80,14 +80,20 @@ _traced: list[tuple[str, tuple]] = []  # counted by the graphs traced since the 
 _tallies: dict[tuple, list[tuple[str, object]]] = {}  # transformer call signature -> what its graph counts per call
 
 
-@compat.trace_time
-def traced(name: str, *args: object) -> int:
-    """Count ``name(*args)`` (a counting function of this module) each time the graph being traced
-    runs (after each transformer call: :func:`call_ended`); called eagerly, once, now."""
-    if torch.compiler.is_compiling():  # true while dynamo traces, and runs this in the graph's stead
-        _traced.append((name, args))
+def traced(name: str, *args: object) -> None:
+    """Count ``name(*args)`` (a counting function of this module): in code dynamo traces, each time the
+    graph being traced runs (after each transformer call: :func:`call_ended`); called eagerly, once,
+    now. Call it from traced code itself, not from a function run at trace time (:func:`compat.trace_time`),
+    where torch before 2.13 does not say it is compiling."""
+    if torch.compiler.is_compiling():  # dynamo reads this as true in the code it traces
+        _record(name, args)
     else:
         globals()[name](*args)
+
+
+@compat.trace_time
+def _record(name: str, args: tuple) -> int:
+    _traced.append((name, args))
     return 0
 
 

@@ -87,6 +87,18 @@ def trace_time(fn: Callable) -> Callable:
     return torch_private("torch._dynamo", "assume_constant_result")(fn)
 
 
+def trace_time_method(method: Callable) -> Callable:
+    """:func:`trace_time` of a bound ``method``: a plain function that calls it. Dynamo before torch
+    2.13 hands such a call constant arguments only (no objects), so the object is bound here, before
+    any trace; make one per object, outside traced code."""
+
+    def call(*args: Any) -> Any:
+        return method(*args)
+
+    call.__name__ = call.__qualname__ = method.__name__  # names the graph's constant
+    return trace_time(call)
+
+
 def mark_static(t: Any) -> None:
     """Mark tensor ``t`` as a static input of the graphs that read it (same memory every call: CUDA
     graph trees let a graph update it in place)."""

@@ -23,7 +23,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import commstats
+from cocodiff_xfuser import commstats, compat
 from cocodiff_xfuser.comm import compress, faults, functional, ring, sparse, timing, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree
@@ -112,6 +112,8 @@ class Exchanger:
         plan = tapa.plan(group)
         self._level_groups = () if plan is None else tuple(g.group_name for g in plan.level_groups)
         self._graph_routes: dict[tuple, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+        #: :meth:`graph_route` as traced code calls it: run when a graph is traced, its result a constant.
+        self.traced_route = compat.trace_time_method(self.graph_route)
         #: A V-First processor's fall-back decisions, agreed over the group once per (processor, input
         #: shapes, local reason): the reason (None: V-First runs).
         self.agreed: dict[tuple, str | None] = {}
@@ -310,13 +312,10 @@ class Exchanger:
         out = self.finish(lambda: route.start(flat).wait(), label, route.algorithm, route.where)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 
-    def graph_route(
-        self, label: str, shape: tuple[int, ...], dtype: str, device: str, exact_bytes: int
-    ) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def graph_route(self, label: str, shape: tuple[int, ...], dtype: str, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The route of a traced exchange (:mod:`cocodiff_xfuser.ulysses_collectives`) of a payload of
-        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them; ``exact_bytes``: the values'
-        size on the wire, uncompressed), counted as one exchange of the graph: ``(levels, group
-        names)``, one group for the flat exchange, one per level for TAPA's.
+        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them): ``(levels, group names)``,
+        one group for the flat exchange, one per level for TAPA's.
         Decided when the graph is traced, once per size (collective where ``--cocodiff-a2a auto``
         measures): flat unless TAPA is asked for or measures faster, each measured as the graph runs it."""
         torch_dtype = getattr(torch, dtype.removeprefix("torch."))
@@ -324,10 +323,6 @@ class Exchanger:
         route = self._graph_routes.get(key)
         if route is None:
             route = self._graph_routes[key] = self.finish(lambda: self._new_graph_route(*key), label, "autotune")
-        levels, _ = route
-        share = self.layout.slow_share
-        sent = int(math.prod(shape) * transport.wire_itemsize(torch_dtype) * share)
-        commstats.traced("count_exchange", "hierarchical" if levels else "flat", label, sent, int(exact_bytes * share))
         return route
 
     def _new_graph_route(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:

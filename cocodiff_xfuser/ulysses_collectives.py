@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, padding
+from cocodiff_xfuser import commstats, padding
 from cocodiff_xfuser.comm import compress, functional, sparse, transport
 from cocodiff_xfuser.exchanger import Exchanger
 
@@ -32,14 +32,6 @@ def applies(exchanger: Exchanger, layer: object | None) -> bool:
             and not padding.tokens_padded())
 
 
-@compat.trace_time
-def _route(
-    exchanger: Exchanger, label: str, shape: tuple[int, ...], dtype: str, device: str, exact_bytes: int
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    # Runs once per traced exchange, before the graph does (collective: every rank traces alike).
-    return exchanger.graph_route(label, shape, dtype, device, exact_bytes)
-
-
 def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor:
     """The equal-split all-to-all of ``x`` (chunks destination-major along the flattened data, as
     xfuser's ``_sdpa_all_to_all_single``; rows of its last dim) over the Ulysses group, by the route
@@ -51,7 +43,11 @@ def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tenso
     fp8 = exchanger.options.compress == "fp8" and x.dtype in compress.WIDE
     # [W * ..., d] -> [W, c]: chunk j for group rank j; fp8: [W, rows, d] -> [W, rows * (d + 4)] bytes
     payload = compress.pack(transport.wire_values(x).reshape(world, -1, d)) if fp8 else x.reshape(world, -1)
-    levels, groups = _route(exchanger, label, tuple(payload.shape), str(payload.dtype), str(payload.device), exact_bytes)
+    # Routed once per traced exchange, before the graph runs (collective: every rank traces alike).
+    levels, groups = exchanger.traced_route(label, tuple(payload.shape), str(payload.dtype), str(payload.device))
+    share = exchanger.layout.slow_share
+    commstats.traced("count_exchange", "hierarchical" if levels else "flat", label,
+                     int(payload.numel() * transport.wire_itemsize(payload.dtype) * share), int(exact_bytes * share))
     out = functional.all_to_all(payload, groups[0]) if len(groups) == 1 else functional.levels_all_to_all(payload, levels, groups)
     if fp8:
         out = compress.unpack(out, x.numel() // (world * d), d, x.dtype)

@@ -63,7 +63,7 @@ class LayerCall:
         self.caches = None
         if clock.current is not None:
             key = (clock.current.branch, tuple(v.shape), str(v.dtype), str(v.device))
-            if _kept(layer, key):
+            if _kept(layer.number, key):
                 self.caches = layer.buffers[key]
             else:
                 commstats.traced("count_fallback", "v-major: cache budget")
@@ -150,11 +150,12 @@ _CACHED = {"v": ("v",), "qkv": ("v", "qk"), "qkvo": ("v", "qk", "o")}
 
 
 @compat.trace_time
-def _kept(layer: policy.Layer, key: tuple) -> bool:
-    """Whether ``layer`` keeps caches for ``key`` (branch, V's shape, dtype, device), made here where
-    it has none: tensors the layer keeps from call to call (a graph's static inputs, which CUDA graph
+def _kept(number: int, key: tuple) -> bool:
+    """Whether the layer numbered ``number`` keeps caches for ``key`` (branch, V's shape, dtype,
+    device), made here where it has none: tensors the layer keeps from call to call (a graph's static inputs, which CUDA graph
     trees let it update in place), zeroed by each pipeline call's first step. Run when a graph is
     traced, before the graph reads them. False where they would exceed ``budget_mib``."""
+    layer = policy.numbered(number)
     if key in layer.buffers:
         return True
     _, shape, dtype, device = key

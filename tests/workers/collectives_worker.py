@@ -955,15 +955,12 @@ def case_functional() -> None:
         check(same_bits(compiled, flat_all_to_all(x * 2)), f"{spec}: compiled TAPA's functional levels != flat")
         for a2a, expected in (("hierarchical", (levels, groups)), ("flat", ((), (dist.group.WORLD.group_name,))), ("auto", None)):
             exchanger = Exchanger(dist.group.WORLD, Options(topology=spec, a2a=a2a))
-            commstats.reset_ran()
-            route = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4)
+            route = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu")
             check(expected is None or route == expected, f"{spec} {a2a}: traced route {route}")
             everyone = [None] * WORLD
             dist.all_gather_object(everyone, route[0])
             check(len(set(everyone)) == 1, f"{spec} {a2a}: the ranks chose {everyone}")
-            check(exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4) == route, f"{spec} {a2a}: route changed")
-            algorithm = "hierarchical" if route[0] else "flat"
-            check(commstats.ran()["exchanges"] == {algorithm: 2}, f"{spec} {a2a}: counted {commstats.ran()['exchanges']}")
+            check(exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu") == route, f"{spec} {a2a}: route changed")
 
 
 def case_ring() -> None:

@@ -25,11 +25,12 @@ compiled as xDiT compiles FLUX, it reports:
 * what cocodiff counted (``commstats.ran()``): exchanges by algorithm, V-First calls, V-Major's
   sparse exchanges.
 
-Run once on one GPU (H100/H200), from the repository's root, within a 10-minute call, and publish
-the JSON as docs/results/graphs-flux-h200.json (the device image lacks xfuser and its stack: the
-wheels it installs are made as docs/benchmarks.md, "Prepared for a GPU", says)::
+Run on one GPU (H100/H200), from the repository's root, within a 10-minute call, and publish the
+JSON in docs/results, named for the GPU (the device image lacks xfuser and its stack: the wheels it
+installs are made as docs/benchmarks.md, "On one H100", says; the checkout goes on the path with
+cocodiff's import hook)::
 
-    python3 -m pip install -q --no-index --no-deps .whl/*.whl && PYTHONUNBUFFERED=1 timeout 540 python3 -m cocodiff_xfuser.tools.bench.graphs --json $OUT/graphs-flux-h200.json
+    python3 -m pip install -q --no-index --no-deps .whl/*.whl && (pwd; cat cocodiff_xfuser.pth) > "$(python3 -c 'import site; print(site.getsitepackages()[0])')/cocodiff_xfuser.pth" && PYTHONUNBUFFERED=1 timeout 540 python3 -m cocodiff_xfuser.tools.bench.graphs --json $OUT/graphs-flux-h100.json
 
 The JSON is rewritten after each configuration, so a run cut short keeps what it measured.
 ``--tiny`` runs the same at a tiny size (8 heads x 16, 64 image and 16 text tokens), on CPU too.
@@ -324,6 +325,9 @@ def run_config(config: str, spec: Spec, double: int, single: int, device: torch.
         lowering.save_output_code = None
     blocks = double + single
     ran = commstats.ran()
+    if config != "stock" and not ran["exchanges"]:  # a row of stock's exchanges under cocodiff's name
+        raise RuntimeError("no cocodiff exchange ran: xfuser's exchange is not routed to it (is cocodiff_xfuser.pth "
+                           "in site-packages?)")
     return {
         "name": config,
         "forwards": warmup + reps + 1,
