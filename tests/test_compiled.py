@@ -34,16 +34,18 @@ DISABLED = "Skip calling `torch.compiler.disable()`d function: "
 #: Where a compiled cocodiff layer may break its graph under a ring: V-First's exchange starts and waits
 #: (elsewhere they are operators, decided in the graph), and the ring attention (its K/V exchanges).
 EXCHANGE_POINTS = {"_start_input_exchange", "exchange_inputs", "output_exchange", "_templated_ring_attention"}
-V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on", "cocodiff_v_major_warmup_steps": 1}
+#: V-Major's per-call path (budget: counts the data decides), a sparse step at step 2.
+V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on", "cocodiff_v_major_policy": "budget",
+           "cocodiff_v_major_warmup_steps": 1}
 # Auto's speed check decides within the first call (its warm-up step, then three rounds of three arms).
-V_MAJOR_AUTO = {**V_MAJOR, "cocodiff_v_major": "auto"}
+V_MAJOR_AUTO = {**V_MAJOR, "cocodiff_v_major": "auto", "cocodiff_v_major_policy": None}
 FP8 = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_compress": "fp8"}
 FP8_SLOW = {**FP8, "cocodiff_compress": "fp8-slow"}
 #: V-Major with static shapes (top-k: a count fixed by the settings), plain torch in the graph.
 STATIC = {**V_MAJOR, "cocodiff_v_major_policy": "top-k"}
 #: The same path sending every token as values over every link: bitwise the exact exchange.
 STATIC_EXACT = {**STATIC, "cocodiff_v_major_fraction": 1.0, "cocodiff_v_major_residual_dtype": "none"}
-#: V-Major's per-call policies (the default, budget, is "vmajor"): a sparse step at step 2 for each.
+#: V-Major's other per-call policies (budget is "vmajor"): a sparse step at step 2 for each.
 POLICIES = {p: {**V_MAJOR, "cocodiff_v_major_policy": p} for p in ("threshold", "schedule")}
 # id -> (model, ulysses, ring, topology, backends, extra flags, steps); every cocodiff backend is checked.
 JOBS = {

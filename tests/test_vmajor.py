@@ -302,7 +302,9 @@ def _three_calls(tmp_path, variants: dict, steps: int, env: dict | None = None) 
     tiny_models.ensure_fixture(digits.NAME)
     (tmp_path / "cases.json").write_text(json.dumps([["digit 7", 1], ["digit 3", 0], ["digit 7", 1]]))
     (tmp_path / "variants.json").write_text(json.dumps(variants))
-    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", steps=steps, extra=("--cocodiff_v_major", "on"))
+    # Two warm-up steps: short jobs reach sparse steps.
+    run = Run(model=digits.NAME, ulysses_degree=4, topology="2x2", steps=steps,
+              extra=("--cocodiff_v_major", "on", "--cocodiff_v_major_warmup_steps", "2"))
     argv = run.argv(("cocodiff", *variants), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
     launcher.torchrun(4, argv, env=env, timeout=600)
 
@@ -318,7 +320,8 @@ def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     """An image generated after others in the same job is bitwise the image of the first call (the
     caches start over at every pipeline call); a budget no layer fits gives the exact exchange."""
     static = {"sp_backend": "cocodiff", "cocodiff_v_major_policy": "top-k"}  # caches kept from call to call
-    generated = _three_calls(tmp_path, {"budget": {"sp_backend": "cocodiff", "cocodiff_v_major_budget_mib": 0.01},
+    generated = _three_calls(tmp_path, {"budget": {"sp_backend": "cocodiff", "cocodiff_v_major_policy": "budget",
+                                                   "cocodiff_v_major_budget_mib": 0.01},
                                         "static": static, "static-budget": {**static, "cocodiff_v_major_budget_mib": 0.01}}, steps=4)
     for backend in ("static", "static-budget"):
         images, result = generated(backend)
@@ -355,7 +358,9 @@ def test_a_service_of_many_sizes_holds_its_memory(tmp_path):
     requests = [{"prompt": "a cat", "seed": 1, "height": h, "width": w, "steps": 3} for _ in range(10) for h, w in SIZES]
     (tmp_path / "cases.json").write_text(json.dumps(requests))
     (tmp_path / "variants.json").write_text(json.dumps({"static": {"sp_backend": "cocodiff", "cocodiff_v_major_policy": "top-k"}}))
-    run = Run(model="tiny-flux", ulysses_degree=2, topology="2x1", steps=3, extra=("--cocodiff_v_major", "on"))
+    # The job's own backend per call (budget), the variant with static shapes; step 3 sparse.
+    run = Run(model="tiny-flux", ulysses_degree=2, topology="2x1", steps=3,
+              extra=("--cocodiff_v_major", "on", "--cocodiff_v_major_policy", "budget", "--cocodiff_v_major_warmup_steps", "2"))
     argv = run.argv(("cocodiff", "static"), tmp_path) + ["--cases", str(tmp_path / "cases.json"), "--variants", str(tmp_path / "variants.json")]
     launcher.torchrun(2, argv, timeout=540)
     for backend in ("cocodiff", "static"):
@@ -477,7 +482,7 @@ def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies
     the same collectives."""
     cells = {f"{p}-{residual}-{n}": (p, n) for p in policies for n in steps}
     variants = {name: {"sp_backend": "cocodiff", "cocodiff_v_major": "on", "cocodiff_v_major_policy": p,
-                       "cocodiff_v_major_residual_dtype": residual, "num_inference_steps": n}
+                       "cocodiff_v_major_residual_dtype": residual, "cocodiff_v_major_warmup_steps": 2, "num_inference_steps": n}
                 for name, (p, n) in cells.items()}
     (tmp_path / "variants.json").write_text(json.dumps(variants))
     run = Run(model="tiny-flux", ulysses_degree=4, ring_degree=2, topology="4x2", height=64, width=64)
@@ -512,7 +517,7 @@ def test_the_triton_kernels_in_a_job_give_the_torch_references_images(tmp_path):
     bit, and the kernels ran."""
     # Over 4x1 both the Ulysses groups and the ring cross nodes; step 2 is sparse (the first two warm up).
     run = Run(model="tiny-flux", ulysses_degree=2, ring_degree=2, topology="4x1", steps=3, height=64, width=64,
-              extra=("--cocodiff_v_major", "on", "--cocodiff_v_major_residual_dtype", "int4"))
+              extra=("--cocodiff_v_major", "on", "--cocodiff_v_major_residual_dtype", "int4", "--cocodiff_v_major_warmup_steps", "2"))
     images, ran = {}, {}
     for interpreted in ("0", "1"):
         out = tmp_path / interpreted

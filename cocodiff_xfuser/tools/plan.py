@@ -24,7 +24,7 @@ One exchange of ``x`` bytes per rank over a group is priced per link level:
   then Q/K, and hides up to the Q/K projection time of V's exchange (the compute estimate: on the
   emulated runs the stock step time minus its communication; on GPU presets a FLOP count at a
   stated TFLOP/s); V-Major scales the slow level's Q/K/V bytes by the active fraction and the
-  residual dtype (defaults from ``docs/results/sweep-v-major-budget-digits-flux.json``); ring attention passes K/V
+  residual dtype (defaults from ``docs/results/quality-digits-flux-vmajor-defaults.json``); ring attention passes K/V
   ``R - 1`` times per layer, hidden behind attention compute where it fits. V-Major's own kernels
   are priced from ``bench kernels`` on one H100, scaled by memory bandwidth on other GPUs, and the
   plan says below which link speed the bytes they save are worth their time.
@@ -64,10 +64,10 @@ TARGET_MEDIAN = 0.15
 #: step time): ASSUMPTIONS, about 40% of the datasheet peak (H100/H200 SXM 989, PVC tile ~420).
 TFLOPS = {"dgx-h100": 400.0, "dgx-h200": 400.0, "aurora": 150.0, "pcie-8gpu": 150.0}
 DEFAULT_TFLOPS = 200.0
-#: V-Major at its defaults (configs/policies/v-major.yaml) as the planner prices it: the point of
-#: this shipped sweep at the default error (the share of rows sent over slow links, as residuals in
-#: the default dtype, :func:`v_major_scale`, in every exchange).
-V_MAJOR_SWEEP = "sweep-v-major-budget-digits-flux.json"
+#: V-Major at its defaults (configs/policies/v-major.yaml) as the planner prices it: this shipped
+#: quality run at the defaults (the share of rows sent over slow links, as residuals in the default
+#: dtype, :func:`v_major_scale`, in every exchange).
+V_MAJOR_DEFAULTS_RUN = "quality-digits-flux-vmajor-defaults.json"
 #: V-Major on the ring's K/V: the share of tokens sent, from this shipped quality run at the defaults.
 RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
 #: ``cocodiff bench host``'s run whose counts per attention layer (eager: Python calls, torch
@@ -873,15 +873,8 @@ def host_costs() -> dict:
 
 
 def v_major_defaults() -> dict:
-    """The shipped budget sweep's point at V-Major's default error (:data:`V_MAJOR_SWEEP`)."""
-    from cocodiff_xfuser.settings import VMajorSettings
-
-    error = VMajorSettings.load().rule.error
-    points = json.loads((RESULTS_DIR / V_MAJOR_SWEEP).read_text())["points"]
-    found = [p for p in points if p["settings"]["policy"] == "budget" and math.isclose(p["settings"]["error"], error)]
-    if not found:
-        raise ValueError(f"{V_MAJOR_SWEEP} has no point at V-Major's default error {error:g}: run the sweep again")
-    return found[0]
+    """The shipped quality run of V-Major at the defaults (:data:`V_MAJOR_DEFAULTS_RUN`)."""
+    return json.loads((RESULTS_DIR / V_MAJOR_DEFAULTS_RUN).read_text())
 
 
 # ---------------------------------------------------------------------------------- CLI

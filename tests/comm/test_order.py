@@ -31,10 +31,10 @@ MODES = {"audit": {AUDIT_ENV: "1"}, "device-semantics": {DEVICE_SEMANTICS_ENV: "
 @pytest.fixture(scope="module", params=[pytest.param("audit", marks=pytest.mark.slow), "device-semantics"])
 def audited(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("order")
-    flags = ("--cocodiff_a2a", "hierarchical", "--cocodiff_v_major", "on", "--cocodiff_v_major_warmup_steps", "0",
-             "--cocodiff_v_major_first_step", "exact")
-    # 4 steps: the first exact (hierarchical exchanges); V-Major's budget policy measures at step 1
-    # and runs sparse from step 2 on.
+    flags = ("--cocodiff_a2a", "hierarchical", "--cocodiff_v_major", "on", "--cocodiff_v_major_policy", "budget",
+             "--cocodiff_v_major_warmup_steps", "0", "--cocodiff_v_major_first_step", "exact")
+    # 4 steps: the first exact (hierarchical exchanges); V-Major's budget policy (per call: TAPA's
+    # two phases for the sparse rows) measures at step 1 and runs sparse from step 2 on.
     run = Run(model=MODELS[0], ulysses_degree=4, topology="2x2", v_first=True, steps=4, extra=flags)
     argv = run.argv(("cocodiff",), out)
     argv[argv.index("--model") + 1] = ",".join(tiny_models.SPECS[m].model_id for m in MODELS)

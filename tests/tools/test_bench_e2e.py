@@ -30,7 +30,7 @@ SMOKE_LINKS = {"rail_bps": 1e9}
 
 
 def _smoke(configs: tuple[str, ...] | None, floor: bool) -> dict:
-    # Three steps: V-Major's exact first step, its second warm-up step (every row as a residual), one budget step.
+    # Three steps: warm-up steps of V-Major (the first step's residuals against zeros, then every row as a residual).
     report = bench_e2e.bench_e2e("rail", "tiny-flux", size=64, steps=3, repeat=1, params=SMOKE_LINKS, timeout=600,
                                  mechanisms=configs, floor=floor)
     json.dumps(report)  # serializable

@@ -51,7 +51,7 @@ def test_requests_served_one_after_another_give_a_fresh_jobs_images(tmp_path):
     after others gives, bitwise, what it gives alone in a fresh job."""
     (tmp_path / "requests.json").write_text(json.dumps(REQUESTS))
     result = _cocodiff("verify", "--requests", str(tmp_path / "requests.json"), "--model", "tiny-flux", "--ulysses-degree",
-                       "2", "--ring-degree", "2", "--topology", "4x1", "--json", "--cocodiff-v-major", "on", timeout=840)
+                       "2", "--ring-degree", "2", "--topology", "4x1", "--json", "--cocodiff-v-major", "on", "--cocodiff-v-major-warmup-steps", "2", timeout=840)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert [row["request"] for row in report["requests"]] == REQUESTS

@@ -361,8 +361,8 @@ def test_a_v_major_knob_its_policy_does_not_read_is_one_line(tmp_path):
     def settings(**flags_given):
         return flags.v_major_settings(types.SimpleNamespace(**{f"cocodiff_{k}": v for k, v in flags_given.items()}))
 
-    with pytest.raises(ValueError, match=r"^--cocodiff-v-major-threshold is not read by policy budget \(read by threshold\)"):
-        settings(v_major="on", v_major_threshold=0.3)  # the shipped policy is budget
+    with pytest.raises(ValueError, match=r"^--cocodiff-v-major-threshold is not read by policy top-k \(read by threshold\)"):
+        settings(v_major="on", v_major_threshold=0.3)  # the shipped policy is top-k
     with pytest.raises(ValueError, match="^--cocodiff-v-major-fraction is not read by policy threshold"):
         settings(v_major="on", v_major_policy="threshold", v_major_fraction=0.3)
     with pytest.raises(ValueError, match="^--cocodiff-v-major-metric is not read by policy budget"):
