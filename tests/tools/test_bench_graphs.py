@@ -52,7 +52,7 @@ def test_an_unknown_configuration_is_one_line(capsys):
     assert cli.main(["bench", "graphs", "--configs", "cocodiff,eager"]) == 2
     assert capsys.readouterr().err.strip() == (
         "cocodiff bench graphs: --configs: eager not among stock, cocodiff, cocodiff+vfirst, cocodiff+vfirst+vmajor, "
-        "cocodiff+vfirst+vmajor-topk")
+        "cocodiff+vfirst+vmajor-budget")
 
 
 @pytest.mark.slow  # compiles five models
@@ -75,6 +75,7 @@ def test_every_configuration_runs_its_own_path_at_tiny_size(tmp_path):
     for name, row in rows.items():
         assert row["forwards"] == forwards and len(row["host_s"]) == reps and row["host_s_per_block"] > 0, name
         assert row["device_s"] is None and row["cuda_graph_launches_per_forward"] == 0, name  # no GPU here
+        assert row["device_kernels_per_forward"] == [], name
         assert row["graphs"] >= 1 and len(row["partitions_per_graph"]) == row["graphs"], name
         assert row["graph_calls_per_forward"] >= 1 and row["host_reads"] == [], name
         assert all(isinstance(n, int) for n in (*row["cocodiff_ops"].values(), *row["graph_breaks"].values())), name
@@ -85,11 +86,11 @@ def test_every_configuration_runs_its_own_path_at_tiny_size(tmp_path):
     assert ran["cocodiff"]["labels"] == {"usp": 2 * layers} and ran["cocodiff"]["v_first_calls"] == 0
     assert ran["cocodiff+vfirst"]["v_first_calls"] == layers and ran["cocodiff+vfirst"]["v_major_sparse"] == {}
     assert set(ran["cocodiff+vfirst"]["exchanges"]) == {"flat"}
-    assert ran["cocodiff+vfirst+vmajor"]["v_first_calls"] == layers
-    assert ran["cocodiff+vfirst+vmajor"]["v_major_sparse"] == {"qk+v": layers, "o": layers}
-    assert 0 < ran["cocodiff+vfirst+vmajor"]["v_major_tokens"]["active"] <= ran["cocodiff+vfirst+vmajor"]["v_major_tokens"]["tokens"]
-    # V-Major's static path: its exchanges functional collectives, no operator of cocodiff's.
-    static = rows["cocodiff+vfirst+vmajor-topk"]
+    per_call = ran["cocodiff+vfirst+vmajor-budget"]
+    assert per_call["v_first_calls"] == layers and per_call["v_major_sparse"] == {"qk+v": layers, "o": layers}, per_call
+    assert 0 < per_call["v_major_tokens"]["active"] <= per_call["v_major_tokens"]["tokens"], per_call
+    # V-Major's static path (the defaults): its exchanges functional collectives, no operator of cocodiff's.
+    static = rows["cocodiff+vfirst+vmajor"]
     assert static["cocodiff_ops"] == {} and static["ran"]["v_first_calls"] == layers, static
     assert "v-major one-phase" in static["ran"]["exchanges"] and static["ran"]["v_major_sparse"].get("v", 0) > 0, static["ran"]
     assert "cocodiff bench graphs: tiny" in done.stdout

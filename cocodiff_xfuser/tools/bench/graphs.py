@@ -10,8 +10,9 @@ image tokens, 512 text tokens) as rank 0 of Ulysses 8, which holds an eighth of 
 process: torch's fake process group at world size 8, whose collectives move nothing (shapes and
 host work are real, values are not). Per configuration (``stock``: xfuser's processors and
 exchanges; ``cocodiff``: its exact exchange under xfuser's processors; ``+vfirst``: its V-First
-processors; ``+vmajor``: V-Major at its defaults over topology 2x4, so the Ulysses exchange crosses
-nodes; ``-topk``: V-Major under top-k, its static shapes, whose caches the graphs update in place),
+processors; ``+vmajor``: V-Major at its defaults (top-k: static shapes, caches the graphs update in
+place) over topology 2x4, so the Ulysses exchange crosses nodes; ``-budget``: V-Major under budget,
+whose counts the data decides: its per-call path, through operators),
 compiled as xDiT compiles FLUX, it reports:
 
 * from inductor's generated code: each graph's CUDA graph partitions (``Runner(partitions=...)``),
@@ -19,7 +20,8 @@ compiled as xDiT compiles FLUX, it reports:
   the host (``_local_scalar_dense``);
 * dynamo's graph breaks, inductor's cudagraph skips and its ``cudagraphs`` log (why it skipped or
   cut, by message);
-* one forward at steady state, profiled: the compiled graphs it called, the CUDA graphs it launched;
+* one forward at steady state, profiled: the compiled graphs it called, the CUDA graphs it launched,
+  the kernels that took the most device time;
 * host time (the call, not synchronized) and device time (CUDA events) per block, medians of
   ``--reps`` forwards after ``--warmup`` (a block's attention layer with its MLP);
 * what cocodiff counted (``commstats.ran()``): exchanges by algorithm, V-First calls, V-Major's
@@ -58,11 +60,13 @@ import torch.distributed as dist
 
 from cocodiff_xfuser import compat
 
-CONFIGS = ("stock", "cocodiff", "cocodiff+vfirst", "cocodiff+vfirst+vmajor", "cocodiff+vfirst+vmajor-topk")
+CONFIGS = ("stock", "cocodiff", "cocodiff+vfirst", "cocodiff+vfirst+vmajor", "cocodiff+vfirst+vmajor-budget")
 WORLD = 8
 #: Two nodes of four: Ulysses 8 crosses nodes, so V-Major has a slow level to act on.
 TOPOLOGY = "2x4"
 DEFAULT_WARMUP = 5
+#: Kernels listed per configuration, by device time in the profiled forward.
+DEVICE_KERNELS = 15
 DEFAULT_REPS = 10
 
 
@@ -157,7 +161,7 @@ def _options(config: str):
     # V-Major's static path exchanges through the (fake) all-to-all whatever the setting: the masks it
     # reads then are whatever memory held, decoded within range (sparse.reference_rows_of).
     v_major = "vmajor" in config
-    settings = VMajorSettings.load(policy="top-k") if config.endswith("-topk") else VMajorSettings.load()
+    settings = VMajorSettings.load(policy="budget") if config.endswith("-budget") else VMajorSettings.load()
     return Options(topology=TOPOLOGY, a2a="flat-p2p" if v_major else "flat", v_first="vfirst" in config,
                    v_major=settings if v_major else None)
 
@@ -245,9 +249,13 @@ def _forwards(model, inputs: dict, device: torch.device, dtype: torch.dtype, war
     with torch.profiler.profile(activities=activities) as profile:
         forward(steps - 1)
     names = [e.name for e in profile.events()]
+    # Where the device time goes (kernels replayed from CUDA graphs included): the largest first.
+    kernels = sorted((e for e in profile.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
     return {"host_s": [host for host, _ in timed], "device_s": [gpu for _, gpu in timed] if cuda else None,
             "graph_calls": sum(n.startswith("## Call CompiledFxGraph") for n in names),
-            "cuda_graph_launches": sum(n == "cudaGraphLaunch" for n in names)}
+            "cuda_graph_launches": sum(n == "cudaGraphLaunch" for n in names),
+            "device_kernels": [{"name": e.key, "calls": e.count, "device_s": e.device_time_total / 1e6}
+                               for e in kernels[:DEVICE_KERNELS]]}
 
 
 class _Lines(logging.Handler):
@@ -335,6 +343,7 @@ def run_config(config: str, spec: Spec, double: int, single: int, device: torch.
         "device_s_per_block": statistics.median(timed["device_s"]) / blocks if timed["device_s"] else None,
         "host_s": timed["host_s"], "device_s": timed["device_s"],
         "graph_calls_per_forward": timed["graph_calls"], "cuda_graph_launches_per_forward": timed["cuda_graph_launches"],
+        "device_kernels_per_forward": timed["device_kernels"],
         **_code_report(code),
         "graph_breaks": {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()},
         "frames": counters["frames"]["total"],
