@@ -94,3 +94,36 @@ def test_every_configuration_runs_its_own_path_at_tiny_size(tmp_path):
     assert static["cocodiff_ops"] == {} and static["ran"]["v_first_calls"] == layers, static
     assert "v-major one-phase" in static["ran"]["exchanges"] and static["ran"]["v_major_sparse"].get("v", 0) > 0, static["ran"]
     assert "cocodiff bench graphs: tiny" in done.stdout
+
+
+#: Dynamo as torch before 2.13 runs a function marked to run at trace time (compat.trace_time): its
+#: arguments constants only, no object (torch 2.11 refused V-First's and V-Major's traced calls so
+#: on an H100, docs/benchmarks.md "On one H100"); the same check here, on this torch.
+_OBJECTS_REFUSED = """
+import sys
+import torch._dynamo.variables.functions as functions
+from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+
+accepted = functions.invoke_and_store_as_constant
+
+def constants_only(tx, fn, name, args, kwargs):
+    objects = [type(a.value).__name__ for a in [*args, *kwargs.values()] if isinstance(a, UserDefinedObjectVariable)]
+    assert not objects, f"{name} is passed {objects} at trace time"
+    return accepted(tx, fn, name, args, kwargs)
+
+functions.invoke_and_store_as_constant = constants_only
+from cocodiff_xfuser.tools.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # compiles three models
+@pytest.mark.distributed  # the fake world belongs to the process
+def test_traced_code_passes_only_constants_to_what_runs_at_trace_time(tmp_path):
+    out = tmp_path / "graphs.json"
+    done = subprocess.run(
+        [sys.executable, "-c", _OBJECTS_REFUSED, "bench", "graphs", "--tiny", "--device", "cpu", "--double", "1", "--single",
+         "1", "--warmup", "1", "--reps", "1", "--configs", "cocodiff,cocodiff+vfirst,cocodiff+vfirst+vmajor", "--json", str(out)],
+        capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = json.loads(out.read_text())["configs"]
+    assert done.returncode == 0 and all("error" not in row for row in rows), [row.get("error") for row in rows]
