@@ -9,7 +9,9 @@ split sizes fixed by the shapes and that count (node-mates get whole chunks, ran
 the rows, after a bitmask of them in V's exchange, whose receivers learn from it which rows Q/K's
 and the output's carry), which inductor schedules and a CUDA graph captures as stock's exchange.
 No operator of cocodiff's, no host read. V's exchange is issued before Q and K are projected and
-received after Q/K's is issued.
+received after Q/K's is issued; at a sparse step, where V's exchange is its few changed rows and
+there is little to hide, V's rows ride in Q/K's exchange instead (one input exchange per layer, its
+latency saved on every link), as on the per-call path.
 
 Per-call state is the step's *phase* (:attr:`.clock.Clock.phase`: ``first``, ``whole``, ``exact``,
 ``sparse``; ``outside`` a pipeline call) and the CFG branch, which a graph reads as constants
@@ -83,6 +85,8 @@ class LayerCall:
         self.mask: torch.Tensor | None = None  # their mask, as V's exchange sends it ahead of them
         self.peers: torch.Tensor | None = None  # [R, k] the rows of each remote group rank, from V's masks
         self.v: _InFlight | None = None  # V's exchange in flight
+        #: V (destination-major) and its exchange's label, where its rows wait to ride in Q/K's exchange.
+        self.v_waiting: tuple[torch.Tensor, str] | None = None
 
 
 def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> LayerCall:
@@ -95,11 +99,22 @@ def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> 
         commstats.traced("count_v_major", call.phase, layer.index, call.k, s)
     if call.k < s:
         keys = policy.token_change(call.settings.rule.metric, layer.crossing(stacked),
-                                   layer.crossing(call.caches["v"][0]), 4, (0, 1, 3, 5))
+                                   layer.crossing(_cache(call, "v")[0]), 4, (0, 1, 3, 5))
         ranks, _ = policy.rank(keys)
         call.active, call.mask = policy.top(ranks, call.k)
-    call.v = _issue(call, "v", stacked, label, by_receiver=False)
+    if call.phase == "sparse" and call.caches is not None and call.settings.scope in ("qkv", "qkvo"):
+        call.v_waiting = (stacked, label)  # Q/K's exchange carries V's rows where Q and K follow them
+    else:
+        call.v = _issue(call, "v", stacked, label, by_receiver=False)
     return call
+
+
+def _v_issued(call: LayerCall) -> _InFlight:
+    """V's exchange: in flight since V's start, or issued now where its rows waited for Q/K's."""
+    if call.v is None:
+        stacked, label = call.v_waiting
+        call.v = _issue(call, "v", stacked, label, by_receiver=False)
+    return call.v
 
 
 def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,6 +123,10 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> 
     follows = call.settings.scope in ("qkv", "qkvo") and call.caches is not None
     exchanger, tokens = call.exchanger, call.shape[4]
     if follows and query.shape[2] == tokens and query.shape == key.shape:
+        if call.v is None:  # V's rows ride: one exchange for the three
+            qkv = torch.cat((_stacked(exchanger, (query, key)), call.v_waiting[0]), 1)  # [W, 3, b, h/W, s, d]
+            query, key, value = ulysses_collectives.sequence(_receive(call, _issue(call, "qkv", qkv, "qk", by_receiver=False)))
+            return query, key, value
         pending = _issue(call, "qk", _stacked(exchanger, (query, key)), "qk", by_receiver=False)
         (value,) = ulysses_collectives.sequence(_receive(call, call.v))
         query, key = ulysses_collectives.sequence(_receive(call, pending))
@@ -115,6 +134,7 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> 
     if query.shape == key.shape:
         query, key = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query, key), "qk"))
     else:  # the query carries joint tokens: exact; K follows V where it can
+        _v_issued(call)  # V's rows cannot ride: V's exchange first, as V-First's
         (query,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query,), "q"))
         if follows and key.shape[2] == tokens:
             pending = _issue(call, "k", _stacked(exchanger, (key,)), "k", by_receiver=False)
@@ -122,7 +142,7 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> 
             (key,) = ulysses_collectives.sequence(_receive(call, pending))
             return query, key, value
         (key,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (key,), "k"))
-    (value,) = ulysses_collectives.sequence(_receive(call, call.v))
+    (value,) = ulysses_collectives.sequence(_receive(call, _v_issued(call)))
     return query, key, value
 
 
@@ -145,8 +165,11 @@ def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
 #: Shapes a layer keeps caches for at most (the oldest dropped first): a service of many image
 #: sizes stays bounded, and a size that comes back after others traces its graphs again.
 KEPT_SHAPES = 8
-#: The exchanges each scope's caches serve (K alone, where Q carries joint tokens, uses Q/K's).
-_CACHED = {"v": ("v",), "qkv": ("v", "qk"), "qkvo": ("v", "qk", "o")}
+#: The caches each scope keeps, by their planes: Q, K, V in one (V's exchange, Q/K's and the one where
+#: V's rows ride in Q/K's read its planes, :func:`_cache`), the output's apart.
+_CACHED = {"v": {"v": 1}, "qkv": {"qkv": 3}, "qkvo": {"qkv": 3, "o": 1}}
+#: The planes of the Q/K/V caches each exchange reads (K alone: where Q carries joint tokens).
+_PLANES = {"qk": slice(0, 2), "k": slice(1, 2), "v": slice(2, 3), "qkv": slice(0, 3)}
 
 
 @compat.trace_time
@@ -160,8 +183,7 @@ def _kept(number: int, key: tuple) -> bool:
         return True
     _, shape, dtype, device = key
     world, _, b, local_heads, s, d = shape
-    names = _CACHED[layer.settings.scope]
-    shapes = {name: (world, 2 if name == "qk" else 1, b, local_heads, s, d) for name in names}
+    shapes = {name: (world, planes, b, local_heads, s, d) for name, planes in _CACHED[layer.settings.scope].items()}
     dtype = getattr(torch, dtype.removeprefix("torch."))
     nbytes = 2 * sum(math.prod(one) for one in shapes.values()) * dtype.itemsize
     clock = layer.clock
@@ -184,6 +206,15 @@ def _kept(number: int, key: tuple) -> bool:
     return True
 
 
+def _cache(call: LayerCall, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The senders' reference and the receivers' copy that exchange ``name`` reads and updates."""
+    if name == "o" or call.settings.scope == "v":
+        return call.caches[name]
+    reference, received = call.caches["qkv"]
+    planes = _PLANES[name]
+    return reference[:, planes], received[:, planes]
+
+
 def _stacked(exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The destination-major ``[W, n, b, h/W, s, d]`` of ``tensors``, with the values the wire
     carries (what V-Major compares and keeps)."""
@@ -201,24 +232,23 @@ class _InFlight:
 
 
 def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver: bool) -> _InFlight:
-    """Issue the exchange ``name`` ('v', 'qk', 'k' or 'o') of destination-major ``x`` (``[W, n, b, h/W, s, d]``):
-    node-mates get whole chunks; each rank on another node the call's rows, as values or residuals
-    against the layer's reference, which the senders update here. The rows: this rank's ``active``,
-    its mask ahead in V's exchange (whose receivers learn ``peers``); with ``by_receiver`` (the
-    output) each receiver's own active rows, which it knows."""
+    """Issue the exchange ``name`` ('v', 'qk', 'k', 'qkv': V's rows riding in Q/K's, or 'o') of
+    destination-major ``x`` (``[W, n, b, h/W, s, d]``): node-mates get whole chunks; each rank on
+    another node the call's rows, as values or residuals against the layer's reference, which the
+    senders update here. The rows: this rank's ``active``, its mask ahead in the exchange that
+    carries V's (whose receivers learn ``peers``); with ``by_receiver`` (the output) each receiver's
+    own active rows, which it knows."""
     if call.caches is None:  # outside a pipeline call, or beyond the budget: the exact exchange
         if call.layer.clock.current is None:
             commstats.traced("count_fallback", "v-major: outside a pipeline call")
         return _InFlight(name, ulysses_collectives.all_to_all(call.exchanger, x, label), None, [], 0, by_receiver)
     _, n, b, local_heads, s, d = x.shape
-    reference, received = call.caches["qk" if name == "k" else name]
-    if name == "k":  # K alone: the second plane of Q/K's caches
-        reference, received = reference[:, 1:], received[:, 1:]
+    reference, received = _cache(call, name)
     if call.phase == "first":  # the receivers hold zeros before anything arrives
         reference.zero_()
         received.zero_()
     residual, k, every = call.residual, call.k, call.k == s
-    with_mask = name == "v" and not every
+    with_mask = name in ("v", "qkv") and not every
     wire = transport.wire_dtype(x.dtype)
     row = residuals.row_bytes(d, residual) if residual is not None else d * wire.itemsize
     full = n * b * local_heads * s * d * wire.itemsize
@@ -241,7 +271,7 @@ def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver:
     out = functional.uneven_all_to_all(torch.cat(pieces), sizes, call.exchanger.group.group_name)
     commstats.traced("count_exchange", "v-major one-phase", label, len(call.remote) * piece, len(call.remote) * full)
     if not every:
-        commstats.traced("count_v_major_sparse", name)
+        commstats.traced("count_v_major_sparse", "qk+v" if name == "qkv" else name)
     return _InFlight(name, out, received, sizes, data_bytes, by_receiver)
 
 
@@ -255,7 +285,7 @@ def _receive(call: LayerCall, pending: _InFlight) -> torch.Tensor:
         return out
     _, n, b, local_heads, s, d = received.shape
     residual, k, every = call.residual, call.k, call.k == s
-    with_mask = pending.name == "v" and not every
+    with_mask = pending.name in ("v", "qkv") and not every
     wire = transport.wire_dtype(received.dtype)
     travels = wire if residual is None else torch.uint8 if residual == torch.int4 else residual
     index = sparse.mask_bytes(s) if with_mask else 0

@@ -92,7 +92,7 @@ def test_every_configuration_runs_its_own_path_at_tiny_size(tmp_path):
     # V-Major's static path (the defaults): its exchanges functional collectives, no operator of cocodiff's.
     static = rows["cocodiff+vfirst+vmajor"]
     assert static["cocodiff_ops"] == {} and static["ran"]["v_first_calls"] == layers, static
-    assert "v-major one-phase" in static["ran"]["exchanges"] and static["ran"]["v_major_sparse"].get("v", 0) > 0, static["ran"]
+    assert "v-major one-phase" in static["ran"]["exchanges"] and static["ran"]["v_major_sparse"].get("qk+v", 0) > 0, static["ran"]
     assert "cocodiff bench graphs: tiny" in done.stdout
 
 
