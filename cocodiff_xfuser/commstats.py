@@ -81,10 +81,10 @@ _tallies: dict[tuple, list[tuple[str, object]]] = {}  # transformer call signatu
 
 
 def traced(name: str, *args: object) -> None:
-    """Count ``name(*args)`` (a counting function of this module): in code dynamo traces, each time the
-    graph being traced runs (after each transformer call: :func:`call_ended`); called eagerly, once,
-    now. Call it from traced code itself, not from a function run at trace time (:func:`compat.trace_time`),
-    where torch before 2.13 does not say it is compiling."""
+    """Count ``name(*args)`` (a counting function of this module): in code dynamo traces, each time
+    the graph being traced runs (after each transformer call: :func:`call_ended`); called eagerly,
+    once, now. Call it from traced code itself, not from a function run at trace time
+    (:func:`compat.trace_time`), where torch before 2.13 does not say it is compiling."""
     if torch.compiler.is_compiling():  # dynamo reads this as true in the code it traces
         _record(name, args)
     else:

@@ -69,6 +69,8 @@ class LayerCall:
                 self.caches = layer.buffers[key]
             else:
                 commstats.traced("count_fallback", "v-major: cache budget")
+        #: Whether Q/K's exchange (and K's alone) follows V's selection, as the scope says.
+        self.follows = self.caches is not None and self.settings.scope in ("qkv", "qkvo")
         level = exchanger.slow_level
         self.remote = level.remote
         self.fast = tuple([level.fast(j) for j in range(exchanger.world_size)])
@@ -102,7 +104,7 @@ def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> 
                                    layer.crossing(_cache(call, "v")[0]), 4, (0, 1, 3, 5))
         ranks, _ = policy.rank(keys)
         call.active, call.mask = policy.top(ranks, call.k)
-    if call.phase == "sparse" and call.caches is not None and call.settings.scope in ("qkv", "qkvo"):
+    if call.phase == "sparse" and call.follows:
         call.v_waiting = (stacked, label)  # Q/K's exchange carries V's rows where Q and K follow them
     else:
         call.v = _issue(call, "v", stacked, label, by_receiver=False)
@@ -120,8 +122,7 @@ def _v_issued(call: LayerCall) -> _InFlight:
 def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q's and K's exchanges, then V's result: head-sharded Q, K, V (``[b, h/W, W*s, d]``). Q/K's
     exchange is issued before V's is received, whose masks tell Q/K's receivers the rows."""
-    follows = call.settings.scope in ("qkv", "qkvo") and call.caches is not None
-    exchanger, tokens = call.exchanger, call.shape[4]
+    follows, exchanger, tokens = call.follows, call.exchanger, call.shape[4]
     if follows and query.shape[2] == tokens and query.shape == key.shape:
         if call.v is None:  # V's rows ride: one exchange for the three
             qkv = torch.cat((_stacked(exchanger, (query, key)), call.v_waiting[0]), 1)  # [W, 3, b, h/W, s, d]
@@ -175,9 +176,10 @@ _PLANES = {"qk": slice(0, 2), "k": slice(1, 2), "v": slice(2, 3), "qkv": slice(0
 @compat.trace_time
 def _kept(number: int, key: tuple) -> bool:
     """Whether the layer numbered ``number`` keeps caches for ``key`` (branch, V's shape, dtype,
-    device), made here where it has none: tensors the layer keeps from call to call (a graph's static inputs, which CUDA graph
-    trees let it update in place), zeroed by each pipeline call's first step. Run when a graph is
-    traced, before the graph reads them. False where they would exceed ``budget_mib``."""
+    device), made here where it has none: tensors the layer keeps from call to call (a graph's
+    static inputs, which CUDA graph trees let it update in place), zeroed by each pipeline call's
+    first step. Run when a graph is traced, before the graph reads them. False where they would
+    exceed ``budget_mib``."""
     layer = policy.numbered(number)
     if key in layer.buffers:
         return True

@@ -125,5 +125,6 @@ def test_traced_code_passes_only_constants_to_what_runs_at_trace_time(tmp_path):
         [sys.executable, "-c", _OBJECTS_REFUSED, "bench", "graphs", "--tiny", "--device", "cpu", "--double", "1", "--single",
          "1", "--warmup", "1", "--reps", "1", "--configs", "cocodiff,cocodiff+vfirst,cocodiff+vfirst+vmajor", "--json", str(out)],
         capture_output=True, text=True, timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]  # it failed before any configuration ran
     rows = json.loads(out.read_text())["configs"]
     assert done.returncode == 0 and all("error" not in row for row in rows), [row.get("error") for row in rows]

@@ -65,9 +65,9 @@ WORLD = 8
 #: Two nodes of four: Ulysses 8 crosses nodes, so V-Major has a slow level to act on.
 TOPOLOGY = "2x4"
 DEFAULT_WARMUP = 5
+DEFAULT_REPS = 10
 #: Kernels listed per configuration, by device time in the profiled forward.
 DEVICE_KERNELS = 15
-DEFAULT_REPS = 10
 
 
 @dataclass(frozen=True)
