@@ -530,3 +530,32 @@ def test_the_triton_kernels_in_a_job_give_the_torch_references_images(tmp_path):
     kernels = {"change sums", "change sums' one scale", "rank", "top", "int4 encode", "int4 apply"}
     assert kernels <= set(ran["1"]["kernels"]), ran["1"]["kernels"]
     assert ran["1"]["exchanges"].get("ring v-major", 0) > 0 and ran["1"]["v_major_sparse"], ran["1"]
+
+
+def test_a_gpu_graph_holds_the_kernels_launches():
+    """A layer's selection, int4 exchange and mask decode, traced as inductor traces a graph for a
+    GPU (fake CUDA tensors, functionalized as AOT does): each of V-Major's kernels is a launch in
+    the graph, and no ``cocodiff_kernels`` operator or reference code (a sort, an index copy) is left."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cocodiff_xfuser.comm import residual_kernels, residuals, sparse
+
+    if residual_kernels.triton is None:
+        pytest.skip("no triton")
+
+    def layer(v, reference, held):  # V's chunks for another node: [W', 1, b, h/W, s, d]
+        keys = policy.token_change("rel-l2", v, reference, 4, (0, 1, 3, 5))
+        active, mask = policy.top(policy.rank(keys)[0], 5)
+        payload = residuals.encode(v, reference, active, 4, torch.int4)
+        residuals.apply(held, payload, sparse.rows_of(mask, 20, 5), 4, True)
+        return payload
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        v = torch.empty(2, 1, 1, 3, 20, 64, device="cuda")
+        graph = make_fx(dispatch_functionalize(layer), tracing_mode="fake")(v, torch.empty_like(v), torch.empty_like(v))
+    called = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    # change sums and their one scale, ranks, top, int4 encode, mask decode, int4 apply
+    assert called.count("triton_kernel_wrapper_functional") == 7
+    assert not [c for c in called if "cocodiff_kernels" in c or "sort" in c or "index" in c]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residual_kernels
 from cocodiff_xfuser.comm.residual_kernels import next_power_of_2
 
@@ -34,9 +33,8 @@ def rows(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
     n = mask.shape[0] if mask.dim() == 2 else 1
     out = torch.empty(*mask.shape[:-1], k, dtype=torch.long, device=mask.device)
     if n and k:
-        commstats.count_kernel("mask decode")
         stride = mask.stride(0) if mask.dim() == 2 else 0
-        _rows[(n,)](mask, out, s, k, stride, BLOCK=next_power_of_2(s))
+        residual_kernels.launchable(_rows)[(n,)](mask, out, s, k, stride, BLOCK=next_power_of_2(s))
     return out
 
 

@@ -1,5 +1,6 @@
 """The int4 residual codec of :mod:`.residuals` as two fused Triton kernels (one source for CUDA
-and XPU): per selected row (a few per program), ``encode`` gathers the row and its reference,
+and XPU), launched from :mod:`.residuals`' operators (``cocodiff_kernels::int4_encode``,
+``int4_apply``): per selected row (a few per program), ``encode`` gathers the row and its reference,
 scales each group by a power of two, packs the nibbles and exponents and writes the reference's
 new row; ``apply`` adds a received row to the held copy in place. One launch per call covers every plane of the tensor
 (every gated tensor joined along the planes, every destination of a run).
@@ -16,11 +17,10 @@ import os
 
 import torch
 
-from cocodiff_xfuser import commstats
-
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.jit import JITFunction
 except ImportError:  # CPU hosts without triton run the torch reference
     triton = None
 
@@ -47,10 +47,18 @@ def next_power_of_2(n: int) -> int:
 
 
 def runs_on(t: torch.Tensor) -> bool:
-    """Whether Triton kernels run on ``t``'s device: triton present, an accelerator (or the
-    interpreter), and not while torch.compile traces: a graph holds the torch reference, from which
-    inductor generates kernels of its own (the same bytes: the arithmetic is exact)."""
-    return triton is not None and not torch.compiler.is_compiling() and (_INTERPRETED or t.device.type in _DEVICES)
+    """Whether Triton kernels run on ``t``'s device: triton present, and an accelerator (or the
+    interpreter). Compiled as eagerly: a graph traced through the operators that launch them holds
+    their launches (:func:`launchable`)."""
+    return triton is not None and (_INTERPRETED or t.device.type in _DEVICES)
+
+
+def launchable(kernel):
+    """``kernel`` as the code of a ``torch.library.triton_op`` launches it: wrapped
+    (``torch.library.wrap_triton``), so that a graph traced through the operator holds the launch,
+    which inductor schedules and a CUDA graph captures (eagerly, inside the operator, the wrap is the
+    kernel itself); the interpreter's kernels, which run eagerly only, as they are."""
+    return torch.library.wrap_triton(kernel) if isinstance(kernel, JITFunction) else kernel
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:
@@ -69,8 +77,7 @@ def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, gr
     out = torch.empty(*planes, k, width, dtype=torch.uint8, device=x.device)
     n = math.prod(planes)
     if n and k:
-        commstats.count_kernel("int4 encode")
-        _encode[(n, cdiv(k, ENCODE_ROWS))](x, reference, rows, out, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
+        launchable(_encode)[(n, cdiv(k, ENCODE_ROWS))](x, reference, rows, out, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
                                                   WIDTH=width, ROWS=ENCODE_ROWS, num_warps=ENCODE_WARPS)
     return out
 
@@ -82,10 +89,9 @@ def apply_int4(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | N
     k = payload.shape[-2]
     n = math.prod(payload.shape[:-2])
     if n and k:
-        commstats.count_kernel("int4 apply")
         every = rows is None
         index = payload if every else rows  # any pointer where the kernel reads no index
-        _apply[(n, cdiv(k, APPLY_ROWS))](held, payload, index, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
+        launchable(_apply)[(n, cdiv(k, APPLY_ROWS))](held, payload, index, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
                                                 WIDTH=payload.shape[-1], EVERY=every, ROWS=APPLY_ROWS, num_warps=APPLY_WARPS)
 
 

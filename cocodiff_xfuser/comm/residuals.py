@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from cocodiff_xfuser import commstats
+
 from . import residual_kernels
 
 #: int4 residuals: values per scale (fewer where a row's width is not a multiple).
@@ -55,12 +57,8 @@ def encode(x: torch.Tensor, reference: torch.Tensor | None, rows: torch.Tensor, 
     ``reference`` adds. Where ``rows`` is every row in order, whole tensors stand in for their rows."""
     every = rows.numel() == x.shape[dim]
     if dtype == torch.int4:
-        if residual_kernels.usable(x, reference):
-            return residual_kernels.encode_int4(x, reference, rows, group_size(x.shape[-1]))
-        held = reference if every else reference.index_select(dim, rows)
-        payload, new = encode_int4(x if every else x.index_select(dim, rows), held)
-        reference.copy_(new) if every else reference.index_copy_(dim, rows, new)
-        return payload
+        _count("int4 encode", x, reference)
+        return torch.ops.cocodiff_kernels.int4_encode(x, reference, rows)
     fresh = x if every else x.index_select(dim, rows)
     if dtype is None:
         if reference is not None and every:
@@ -81,13 +79,8 @@ def apply(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | None, 
     """The receiver's side: ``held``'s rows ``rows`` along ``dim`` (None: every row, in order) take
     ``payload``, added where it is a residual (int4 ones as bytes), copied where it is values."""
     if is_residual and payload.dtype == torch.uint8:
-        if residual_kernels.usable(held, payload):
-            residual_kernels.apply_int4(held, payload, rows, group_size(held.shape[-1]))
-            return
-        if rows is None:
-            held.copy_(add_int4(held, payload))
-        else:
-            held.index_copy_(dim, rows, add_int4(held.index_select(dim, rows), payload))
+        _count("int4 apply", held, payload)
+        torch.ops.cocodiff_kernels.int4_apply(held, payload, rows)
     elif rows is None and is_residual:
         held.add_(payload.to(held.dtype))
     elif rows is None:
@@ -96,6 +89,40 @@ def apply(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | None, 
         held.index_add_(dim, rows, payload.to(held.dtype))
     else:
         held.index_copy_(dim, rows, payload)
+
+
+@torch.library.triton_op("cocodiff_kernels::int4_encode", mutates_args={"reference"})
+def _int4_encode(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`encode` in int4, rows along the second-to-last dim: the Triton kernel where it runs,
+    traced into a compiled graph as its launch; elsewhere (the CPU's kernel) the torch reference."""
+    if residual_kernels.usable(x, reference):
+        return residual_kernels.encode_int4(x, reference, rows, group_size(x.shape[-1]))
+    if rows.numel() == x.shape[-2]:
+        payload, new = encode_int4(x, reference)
+        reference.copy_(new)
+        return payload
+    payload, new = encode_int4(x.index_select(-2, rows), reference.index_select(-2, rows))
+    reference.index_copy_(-2, rows, new)
+    return payload
+
+
+@torch.library.triton_op("cocodiff_kernels::int4_apply", mutates_args={"held"})
+def _int4_apply(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """:func:`apply` of an int4 payload, rows along the second-to-last dim (None: every row): as
+    :func:`_int4_encode`, the kernel or the torch reference."""
+    if residual_kernels.usable(held, payload):
+        residual_kernels.apply_int4(held, payload, rows, group_size(held.shape[-1]))
+    elif rows is None:
+        held.copy_(add_int4(held, payload))
+    else:
+        held.index_copy_(-2, rows, add_int4(held.index_select(-2, rows), payload))
+
+
+def _count(kernel: str, *tensors: torch.Tensor | None) -> None:
+    """A launch of ``kernel``, where the kernels run on ``tensors``: counted where the graph
+    that holds it runs, compiled (:func:`cocodiff_xfuser.commstats.traced`)."""
+    if residual_kernels.usable(*tensors):
+        commstats.traced("count_kernel", kernel)
 
 
 def encode_int4(fresh: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from cocodiff_xfuser import commstats
+
 from . import flat, mask_kernels, residuals, subgroups, transport
 
 #: Rows for destination ``j`` at ``rows[j]`` (``[P, k_j, d]``): a ``[W, P, k, d]`` tensor, or a
@@ -142,6 +144,15 @@ def rows_of(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
     on the device without reading it: one kernel where it runs (:mod:`.mask_kernels`), else the
     torch reference."""
     if mask_kernels.usable(mask):
+        commstats.traced("count_kernel", "mask decode")
+    return torch.ops.cocodiff_kernels.mask_rows(mask, s, k)
+
+
+@torch.library.triton_op("cocodiff_kernels::mask_rows", mutates_args=())
+def _mask_rows(mask: torch.Tensor, s: int, k: int) -> torch.Tensor:
+    """:func:`rows_of`: the Triton kernel where it runs, traced into a compiled graph as its launch;
+    elsewhere (the CPU's kernel) the torch reference."""
+    if mask_kernels.usable(mask):
         return mask_kernels.rows(mask, s, k)
     return reference_rows_of(mask, s, k)
 
@@ -180,9 +191,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-@lru_cache(maxsize=8)
 def _bit_positions(device: torch.device) -> torch.Tensor:
-    """A byte's bit positions, low first, made on the device once (no copy from the host)."""
+    """A byte's bit positions, low first, made on the device (no copy from the host; made per call,
+    as the operators' CPU kernels trace it into a graph)."""
     return torch.arange(8, dtype=torch.uint8, device=device)
 
 

@@ -2,8 +2,8 @@
 and apply, the per-token change sums its ranking reads, the ranking and the choice of tokens, and
 the sparse exchange's mask decode.
 
-On an accelerator the compiled kernels run beside the reference; on a CPU the Triton interpreter
-runs them, in a process of its own (it needs ``TRITON_INTERPRET=1`` before triton is first
+Each runs as the ``cocodiff_kernels`` operator V-Major calls. On an accelerator the compiled
+kernels run beside the reference; on a CPU the Triton interpreter runs them, in a process of its own (it needs ``TRITON_INTERPRET=1`` before triton is first
 imported). Cases cover float32 and bf16 values, rows of widths that are and are not powers of two
 and multiples of the group, selected rows in any order and every row in order, a group that did
 not change, the change sums of a Ulysses exchange's V (per batch and token, or per token) and
@@ -58,10 +58,10 @@ def compare(device: torch.device) -> dict:
             sent_ref, sent_k = reference.clone(), reference.clone()
             payload_ref, new = residuals.encode_int4(x.index_select(dim, rows), reference.index_select(dim, rows))
             sent_ref.index_copy_(dim, rows, new)
-            payload_k = residual_kernels.encode_int4(x, sent_k, rows, residuals.group_size(shape[-1]))
+            payload_k = torch.ops.cocodiff_kernels.int4_encode(x, sent_k, rows)
             held_ref, held_k = reference.clone(), reference.clone()
             held_ref.index_copy_(dim, rows, residuals.add_int4(held_ref.index_select(dim, rows), payload_ref))
-            residual_kernels.apply_int4(held_k, payload_k, None if every else rows, residuals.group_size(shape[-1]))
+            torch.ops.cocodiff_kernels.int4_apply(held_k, payload_k, None if every else rows)
             same = (torch.equal(payload_k, payload_ref), torch.equal(sent_k, sent_ref), torch.equal(held_k, held_ref),
                     torch.equal(held_k, sent_k))
             if not all(same):
@@ -74,10 +74,11 @@ def compare(device: torch.device) -> dict:
             reference = (x.float() + 0.05 * torch.randn(shape, generator=g)).to(dtype)
             x, reference = x.to(device), reference.to(device)
             for kinds in (("squared change", "squared reference"), ("absolute change", "squared value")):
-                got = change_kernels.sums(kinds, x, reference, dims)
+                got = torch.ops.cocodiff_kernels.change_sums(x, reference, *kinds, list(dims))
                 want = policy.reference_sums(kinds, x, reference, dims)
                 cases += 1
-                if not all(torch.equal(a, b) and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(got, want)):
+                if not (change_kernels.usable(x, reference) and torch.equal(got[0], torch.stack([a for a, _ in want]))
+                        and torch.equal(got[1], torch.stack([sa for _, sa in want]))):
                     failed.append({"shape": list(shape), "dims": list(dims), "dtype": str(dtype), "sums": list(kinds)})
     for s, k in MASK_CASES:
         for n in (None, 3):  # one mask, or a run of sources' pieces: masks ahead of their rows
@@ -86,7 +87,8 @@ def compare(device: torch.device) -> dict:
             pieces = torch.cat([masks, torch.zeros(masks.shape[0], 5, dtype=torch.uint8)], dim=1).to(device)
             mask = pieces[0, : masks.shape[1]] if n is None else pieces[:, : masks.shape[1]]
             cases += 1
-            if not (mask_kernels.usable(mask) and torch.equal(mask_kernels.rows(mask, s, k), sparse.reference_rows_of(mask, s, k))):
+            got = torch.ops.cocodiff_kernels.mask_rows(mask, s, k)
+            if not (mask_kernels.usable(mask) and torch.equal(got, sparse.reference_rows_of(mask, s, k))):
                 failed.append({"mask of": s, "rows": k, "masks": n or 1})
     for s, bound in RANK_CASES:
         x = torch.randn(2, 1, 1, 3, s, 16, generator=g)
@@ -96,15 +98,16 @@ def compare(device: torch.device) -> dict:
         squared[::3] = squared[1]  # ties, broken by token index
         budget = tuple(t.to(device) for t in (norms, scale, norm_scale)) + (bound**2,)
         keys = squared.to(device)
-        got, want = rank_kernels.ranks(keys, budget), policy.reference_ranks(keys, budget)
+        got, want = torch.ops.cocodiff_kernels.budget_ranks(keys, *budget), policy.reference_ranks(keys, budget)
         change = squared.to(device).double() / 3  # float64 keys, as the threshold policy ranks
         cases += 1
-        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-                and torch.equal(rank_kernels.ranks(change)[0], policy.reference_ranks(change)[0])):
+        if not (rank_kernels.usable(keys) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                and torch.equal(torch.ops.cocodiff_kernels.ranks(change), policy.reference_ranks(change)[0])):
             failed.append({"ranks of": s, "bound": bound})
         for k in (1, s // 3, s - 1):
             cases += 1
-            if not all(torch.equal(a, b) for a, b in zip(rank_kernels.top(want[0], k), policy.reference_top(want[0], k))):
+            got = torch.ops.cocodiff_kernels.top(want[0], k)
+            if not all(torch.equal(a, b) for a, b in zip(got, policy.reference_top(want[0], k))):
                 failed.append({"top": k, "of": s})
     return {"triton_matches_reference": not failed, "cases": cases, "failed": failed,
             "device": str(device), "interpreted": os.environ.get("TRITON_INTERPRET") == "1"}

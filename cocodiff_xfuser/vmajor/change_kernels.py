@@ -18,7 +18,6 @@ import math
 
 import torch
 
-from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residual_kernels
 from cocodiff_xfuser.comm.residual_kernels import next_power_of_2
 
@@ -42,11 +41,11 @@ def usable(x: torch.Tensor, reference: torch.Tensor) -> bool:
 
 
 def sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims: tuple[int, ...]
-         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each of the two ``kinds``, the integer sums over ``dims`` (every dim but the token dim,
-    the second-to-last, and at most one other) and their scale, as :func:`.policy.integer_sums`
-    gives them; two launches in all: one pass over ``x`` and ``reference`` for every sum at its own
-    scale, then one program per quantity bringing them to one."""
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the two ``kinds``, the integer sums over ``dims`` (every dim but the token dim, the
+    second-to-last, and at most one other) and their scales, as :func:`.policy.integer_sums` gives
+    them (int64 ``[2, ...]``, float64 ``[2]``); two launches in all: one pass over ``x`` and
+    ``reference`` for every sum at its own scale, then one program per quantity bringing them to one."""
     *outer, s, d = x.shape
     kept = [i for i in range(len(outer)) if i not in dims]
     if len(kept) > 1 or x.dim() - 1 not in dims:
@@ -58,16 +57,14 @@ def sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims:
     own = torch.empty(2, groups * s, dtype=torch.int64, device=x.device)
     exponents = torch.empty(2, groups * s, dtype=torch.int32, device=x.device)
     top = 62 - x.numel().bit_length()
-    commstats.count_kernel("change sums")
-    _sums[(groups, s)](x, reference, own, exponents, s, d, inner, groups, before, top, A=codes[0], B=codes[1],
-                       BLOCK_I=min(next_power_of_2(inner), SUMS_ROWS), BLOCK_D=min(next_power_of_2(d), 256),
-                       num_warps=SUMS_WARPS)
-    out = torch.empty(2, groups * s, dtype=torch.int64, device=x.device)
+    residual_kernels.launchable(_sums)[(groups, s)](
+        x, reference, own, exponents, s, d, inner, groups, before, top, A=codes[0], B=codes[1],
+        BLOCK_I=min(next_power_of_2(inner), SUMS_ROWS), BLOCK_D=min(next_power_of_2(d), 256), num_warps=SUMS_WARPS)
+    out = torch.empty(2, *([groups, s] if kept else [s]), dtype=torch.int64, device=x.device)
     scales = torch.empty(2, dtype=torch.float64, device=x.device)
-    commstats.count_kernel("change sums' one scale")
-    _common[(2,)](own, exponents, out, scales, groups * s, top, BLOCK=min(next_power_of_2(groups * s), COMMON_BLOCK))
-    shape = [groups, s] if kept else [s]
-    return [(out[i].view(shape), scales[i]) for i in range(2)]
+    residual_kernels.launchable(_common)[(2,)](own, exponents, out, scales, groups * s, top,
+                                               BLOCK=min(next_power_of_2(groups * s), COMMON_BLOCK))
+    return out, scales
 
 
 def _jit(fn):

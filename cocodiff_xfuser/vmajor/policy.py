@@ -149,13 +149,49 @@ def rank(keys: torch.Tensor, budget: tuple[torch.Tensor, torch.Tensor, torch.Ten
          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each token's place in the stable ascending order of ``keys`` (and the tokens ``budget``
     leaves out: :func:`.rank_kernels.ranks`): one kernel where it runs, the torch reference elsewhere."""
-    return rank_kernels.ranks(keys, budget) if rank_kernels.usable(keys) else reference_ranks(keys, budget)
+    if rank_kernels.usable(keys):
+        commstats.traced("count_kernel", "rank")
+    if budget is None:
+        return torch.ops.cocodiff_kernels.ranks(keys), None
+    return torch.ops.cocodiff_kernels.budget_ranks(keys, *budget)
 
 
 def top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` tokens ranked last by ``ranks`` (the largest change), ascending as their mask
     sends them, and that mask: one kernel where it runs, the torch reference elsewhere."""
+    if rank_kernels.usable(ranks):
+        commstats.traced("count_kernel", "top")
+    return torch.ops.cocodiff_kernels.top(ranks, k)
+
+
+# V-Major's kernels as operators: each runs the Triton kernel where it runs, which a graph traced
+# through it holds as its launch, and elsewhere (the CPU's kernel) the torch reference.
+@torch.library.triton_op("cocodiff_kernels::ranks", mutates_args=())
+def _ranks(keys: torch.Tensor) -> torch.Tensor:
+    return rank_kernels.ranks(keys)[0] if rank_kernels.usable(keys) else reference_ranks(keys)[0]
+
+
+@torch.library.triton_op("cocodiff_kernels::budget_ranks", mutates_args=())
+def _budget_ranks(keys: torch.Tensor, norms: torch.Tensor, scale: torch.Tensor, norm_scale: torch.Tensor, bound: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    budget = (norms, scale, norm_scale, bound)
+    return rank_kernels.ranks(keys, budget) if rank_kernels.usable(keys) else reference_ranks(keys, budget)
+
+
+@torch.library.triton_op("cocodiff_kernels::top", mutates_args=())
+def _top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return rank_kernels.top(ranks, k) if rank_kernels.usable(ranks) else reference_top(ranks, k)
+
+
+@torch.library.triton_op("cocodiff_kernels::change_sums", mutates_args=())
+def _change_sums(x: torch.Tensor, reference: torch.Tensor, first: str, second: str, dims: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sums` of the quantities ``first`` and ``second`` as two tensors: their sums (int64
+    ``[2, ...]``) and scales (float64 ``[2]``)."""
+    if change_kernels.usable(x, reference):
+        return change_kernels.sums((first, second), x, reference, tuple(dims))
+    found = reference_sums((first, second), x, reference, tuple(dims))
+    return torch.stack([sums for sums, _ in found]), torch.stack([scale for _, scale in found])
 
 
 def count(settings: VMajorSettings, clock: Clock, layer: int, step: int, s: int) -> int | None:
@@ -229,8 +265,10 @@ def _sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims
     """:func:`integer_sums` over ``dims`` of two quantities of ``x`` and ``reference`` (names of
     :data:`.change_kernels.KINDS`): two fused kernels where they run, the torch reference elsewhere."""
     if change_kernels.usable(x, reference):
-        return change_kernels.sums(kinds, x, reference, dims)
-    return reference_sums(kinds, x, reference, dims)
+        commstats.traced("count_kernel", "change sums")
+        commstats.traced("count_kernel", "change sums' one scale")
+    sums, scales = torch.ops.cocodiff_kernels.change_sums(x, reference, *kinds, list(dims))
+    return list(zip(sums.unbind(), scales.unbind()))
 
 
 def reference_sums(kinds: tuple[str, str], x: torch.Tensor, reference: torch.Tensor, dims: tuple[int, ...]

@@ -23,7 +23,6 @@ import struct
 
 import torch
 
-from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import residual_kernels, sparse
 from cocodiff_xfuser.comm.residual_kernels import cdiv
 
@@ -55,9 +54,9 @@ def ranks(keys: torch.Tensor, budget: tuple[torch.Tensor, torch.Tensor, torch.Te
     out = torch.empty(s, dtype=torch.long, device=keys.device)
     left = torch.zeros(1, dtype=torch.float32, device=keys.device) if budget is not None else None
     norms, scale, norm_scale, bound = budget if budget is not None else (keys, keys, keys, 0.0)
-    commstats.count_kernel("rank")
-    _rank[(cdiv(s, TOKENS),)](keys, norms, scale, norm_scale, out, out if left is None else left, s,
-                              _float64_bits(bound), BUDGET=budget is not None, BI=TOKENS, BJ=PASS, num_warps=WARPS)
+    residual_kernels.launchable(_rank)[(cdiv(s, TOKENS),)](
+        keys, norms, scale, norm_scale, out, out if left is None else left, s, _float64_bits(bound),
+        BUDGET=budget is not None, BI=TOKENS, BJ=PASS, num_warps=WARPS)
     return out, left
 
 
@@ -66,8 +65,8 @@ def top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     s = ranks.numel()
     active = torch.empty(k, dtype=torch.long, device=ranks.device)
     mask = torch.empty(sparse.mask_bytes(s), dtype=torch.uint8, device=ranks.device)
-    commstats.count_kernel("top")
-    _top[(cdiv(mask.numel() * 8, TOP_TOKENS),)](ranks, active, mask, s, s - k, mask.numel(), BI=TOP_TOKENS)
+    residual_kernels.launchable(_top)[(cdiv(mask.numel() * 8, TOP_TOKENS),)](ranks, active, mask, s, s - k, mask.numel(),
+                                                                            BI=TOP_TOKENS)
     return active, mask
 
 

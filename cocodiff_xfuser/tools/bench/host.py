@@ -475,8 +475,8 @@ def _change_common(own, exponents, out, scales, n, top, **_):
     """``change_kernels._common``: each quantity's sums at the scale of its largest exponent."""
     from cocodiff_xfuser.vmajor import policy
 
-    for i in range(2):
-        out[i], scales[i] = policy.one_scale(own[i], exponents[i].long(), top)
+    for i in range(2):  # out: [2, groups, s] or [2, s], the sums as own holds them ([2, groups * s])
+        out.view(2, -1)[i], scales[i] = policy.one_scale(own[i], exponents[i].long(), top)
 
 
 def _rank(keys, norms, scale, norm_scale, ranks, left, s, bound, BUDGET, **_):
