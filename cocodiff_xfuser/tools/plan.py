@@ -56,6 +56,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from cocodiff_xfuser.shipped import RESULTS
+from cocodiff_xfuser.tools import gpu_model
+from cocodiff_xfuser.tools.dit_specs import MODELS, ModelSpec, layer_flops
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS, Fabric
 
 RESULTS_DIR = RESULTS  # installed with the package (cocodiff_xfuser/shipped.py)
@@ -118,65 +120,15 @@ CALIBRATE_HOW = ("calibrate in one step: time the exchanges where the job runs, 
                  "that JSON with --calibrate a2a.json")
 
 
-# ---------------------------------------------------------------------------------- models
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    heads: int
-    head_dim: int
-    attn: Tuple[Tuple[int, bool], ...]  # (attention calls per forward, text tokens joint?)
-    text_tokens: int
-    pixels_per_token: int  # image side per token side (VAE factor x patch)
-    dtype_bytes: int = 2
-    cfg: bool = False  # true classifier-free guidance (two transformer passes, batch 2)
-    stacked_qkv: bool = True  # xfuser's processor sends Q/K/V as one message (FLUX) or three
-    frames_per_token: int = 0  # video: frames per latent frame (0 = image model)
-    flux: bool = False  # FLUX family: uneven text/image tokens only without ring (cocodiff pads them)
-    source: str = ""
-
-    @property
-    def layers(self) -> int:
-        return sum(n for n, _ in self.attn)
-
-    def tokens(self, size: int, frames: int = 1) -> Tuple[int, int]:
-        """(image/video tokens, text tokens in joint attention)."""
-        side = size // self.pixels_per_token
-        t = (frames - 1) // self.frames_per_token + 1 if self.frames_per_token else 1
-        return side * side * t, self.text_tokens
-
-
-MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
-    ModelSpec("flux-dev", 24, 128, ((57, True),), 512, 16, flux=True, source=(
-        "black-forest-labs/FLUX.1-dev transformer/config.json: num_layers 19 + num_single_layers 38, "
-        "24 heads x 128; VAE /8, patch 2; max_sequence_length 512; guidance-distilled (no true CFG)")),
-    ModelSpec("sd3.5-large", 38, 64, ((38, True),), 333, 16, cfg=True, stacked_qkv=False, source=(
-        "stabilityai/stable-diffusion-3.5-large transformer/config.json: num_layers 38, 38 heads x 64, "
-        "patch 2, VAE /8; 77 CLIP + 256 T5 text tokens")),
-    ModelSpec("qwen-image", 24, 128, ((60, True),), 256, 16, cfg=True, source=(
-        "Qwen/Qwen-Image transformer/config.json: num_layers 60, 24 heads x 128, patch 2, VAE /8; "
-        "text tokens depend on the prompt: 256 assumed")),
-    ModelSpec("wan2.1-14b", 40, 128, ((40, False),), 0, 16, cfg=True, frames_per_token=4, source=(
-        "Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json: num_layers 40, 40 heads x 128, patch "
-        "(1,2,2), VAE /8 spatial /4 temporal; text enters by cross-attention (not exchanged)")),
-    # The project's tiny models (tools/models/tiny.py, digits.py): fp32, 4 pixels per token side.
-    ModelSpec("tiny-flux", 8, 16, ((4, True),), 32, 4, 4, flux=True, source="tools/models/tiny.py: 2 double + 2 single"),
-    ModelSpec("tiny-sd3", 8, 16, ((2, False), (3, True)), 32, 4, 4, cfg=True, stacked_qkv=False,
-              source="tools/models/tiny.py: 3 joint blocks, 2 with a second image-only attention"),
-    ModelSpec("digits-flux", 8, 16, ((6, True),), 16, 4, 4, flux=True,
-              source="tools/models/digits.py: 2 double + 4 single"),
-    ModelSpec("digits-sd3", 8, 16, ((1, False), (4, True)), 16, 4, 4, cfg=True, stacked_qkv=False,
-              source="tools/models/digits.py: 4 joint blocks, the first with a second image-only attention"),
-)}
-
-
 def step_messages(spec: ModelSpec, size: int, *, frames: int = 1, batch: int = 1, ulysses: int = 1,
-                  ring: int = 1, cfg_parallel: bool = False, v_first: bool = False) -> List[Tuple[str, float, int]]:
+                  ring: int = 1, cfg_parallel: bool = False, v_first: bool = False,
+                  height: Optional[int] = None) -> List[Tuple[str, float, int]]:
     """Per-rank all-to-all messages of one denoising step: ``(kind, bytes, count)``.
 
     ``kind`` is ``qkv``/``q``/``k``/``v``/``qk``/``out``; one unit is one tensor's
     ``b * s / (U R) * ceil(h/U) U * d * dtype`` (padded heads when ``U`` does not divide ``h``).
     """
-    img, txt = spec.tokens(size, frames)
+    img, txt = spec.tokens(size, frames, height)
     if ulysses == 1:
         return []
     b = batch * (2 if spec.cfg and not cfg_parallel else 1)
@@ -480,14 +432,6 @@ def _e2e_fabric(d: dict) -> Fabric:
     return Fabric(preset, N, L, params=params)
 
 
-def layer_flops(spec: ModelSpec, s: float, s_local: float, head_pad: float = 1.0) -> float:
-    """FLOPs of one DiT block per rank: QKV + out + 4x MLP projections on the local tokens (24 D^2
-    per token), attention over the whole sequence (4 s D per local token, times ``head_pad``:
-    padded zero heads are attended too, the projections are not padded)."""
-    D = spec.heads * spec.head_dim
-    return s_local * (24 * D * D + 4 * s * D * head_pad)
-
-
 def v_major_scale(spec: ModelSpec, active: float, steps: int) -> float:
     """The share of an exchange's slow-link bytes V-Major sends at its defaults: every row at its
     first step (as residuals against zeros, or exact without a residual dtype), then the ``active``
@@ -506,14 +450,15 @@ def v_major_scale(spec: ModelSpec, active: float, steps: int) -> float:
 def predict_step(spec: ModelSpec, cl: Cluster, c: Coeffs, *, size: int, frames: int = 1, batch: int = 1,
                  ulysses: int, ring: int = 1, cfg_parallel: bool = False, algorithm: str = "best",
                  v_first: bool = False, v_major: Optional[float] = None, steps: int = 50,
-                 compute_layer_s: Optional[float] = None, tflops: float = DEFAULT_TFLOPS) -> dict:
+                 compute_layer_s: Optional[float] = None, tflops: float = DEFAULT_TFLOPS,
+                 height: Optional[int] = None) -> dict:
     """Per-step exposed communication of one configuration (seconds and its parts).
 
     ``cl`` is the Ulysses group's cluster; ``v_major``: active fraction on the slow level (None = off);
     ``compute_layer_s``: measured compute per attention layer (else FLOPs / ``tflops``)."""
-    img, txt = spec.tokens(size, frames)
+    img, txt = spec.tokens(size, frames, height)
     msgs = step_messages(spec, size, frames=frames, batch=batch, ulysses=ulysses, ring=ring,
-                         cfg_parallel=cfg_parallel, v_first=v_first)
+                         cfg_parallel=cfg_parallel, v_first=v_first, height=height)
     per_layer = max(len(msgs) // len(spec.attn), 1)
     res_scale = 1.0 if v_major is None else v_major_scale(spec, v_major, steps)  # every exchange (scope qkvo)
     total = hidden = nbytes = 0.0
@@ -740,6 +685,78 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
                                     tflops=tf)}
 
 
+def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, nodes: int, height: Optional[int] = None,
+             frames: int = 1, steps: int = 50, inter_node_gbps: Optional[float] = None) -> dict:
+    """Every layout of ``gpus_per_node x nodes`` GPUs of a class (:mod:`.gpu_model`), stock and with
+    cocodiff's exact exchange, ranked by the whole run: its step and total seconds. cocodiff's
+    Ulysses exchange takes the fitted stock exchange's time scaled by what the per-level model
+    gives the two (TAPA's phases, V-First's hidden V); eager, its host floor scales stock's by
+    ``bench host``'s counts per layer (the same source for both)."""
+    spec = MODELS.get(model)
+    if spec is None:
+        raise ValueError(f"unknown model {model!r}; known: {', '.join(sorted(MODELS))}")
+    if mode not in gpu_model.MODES:
+        raise ValueError(f"--mode must be one of {', '.join(gpu_model.MODES)}")
+    height = height or size
+    if min(size, height) <= 0 or size % spec.pixels_per_token or height % spec.pixels_per_token or min(
+            frames, steps, gpus_per_node, nodes) < 1:
+        raise ValueError(f"--size and --height must be positive multiples of {spec.pixels_per_token}; --frames, "
+                         "--steps, --gpus-per-node, --nodes positive")
+    g = gpu_model.gpu(gpu)
+    run = gpu_model.Run(spec, size, height, frames, steps, g, mode, gpus_per_node, nodes, inter_node_gbps)
+    c = gpu_model.fitted()
+    levels = [LinkLevel("node", nodes, (inter_node_gbps or g.inter_node_gbps) * 1e9),
+              LinkLevel("gpu", gpus_per_node, g.node_link_gbps * 1e9)]
+    full = Cluster(levels, name=f"{gpu} {nodes}x{gpus_per_node}")
+    links = Coeffs(e0=1 / c.a2a_share, source="the all-to-all's share of link rate fitted on xDiT's published runs")
+    host = host_costs()
+    tflops = g.tflops * c.rate_share(g, mode)
+    fixed = c.fixed_s(run)
+    rows = []
+    for layout in gpu_model.layouts(run, stock=False):
+        stock = gpu_model.step(run, layout, c)
+        runs_stock = spec.heads % layout.ulysses == 0
+        if runs_stock:
+            rows.append(_gpu_row(layout, "stock", stock, steps, fixed))
+        if layout.ulysses == 1:
+            continue  # no Ulysses exchange: cocodiff runs stock's layers
+        group = full.subgroup(layout.ulysses)
+        kw = dict(size=size, height=height, frames=frames, ulysses=layout.ulysses, ring=layout.ring,
+                  cfg_parallel=layout.cfg == 2, steps=steps, tflops=tflops)
+        flat = predict_step(spec, group, links, algorithm="flat", **kw)["comm_s"]
+        tapa, vfirst = predict_step(spec, group, links, **kw), predict_step(spec, group, links, v_first=True, **kw)
+        best = vfirst if vfirst["comm_s"] < tapa["comm_s"] else tapa
+        ulysses = stock["ulysses_s"] * best["comm_s"] / flat if flat else stock["ulysses_s"]
+        ratio = host["v_first" if best is vfirst else "cocodiff"] / host["stock"]
+        device = stock["compute_s"] + ulysses + stock["ring_s"] + stock["pipefusion_s"]
+        parts = {**stock, "ulysses_s": ulysses, "host_s": stock["host_s"] * ratio,
+                 "step_s": max(device, stock["host_s"] * ratio), "host_bound": stock["host_s"] * ratio > device,
+                 "v_first": best is vfirst, "algorithms": best["algorithms"]}
+        rows.append(_gpu_row(layout, "cocodiff", parts, steps, fixed))
+    if not rows:
+        raise ValueError(f"no ulysses x ring x cfg x pipefusion layout of {run.world} GPUs fits {spec.name}")
+    rows.sort(key=lambda r: r["total_s"])
+    # The best of the layouts the fit has seen the like of (PipeFusion's are priced, not validated).
+    stock_rows = [r for r in rows if r["backend"] == "stock" and r["validated"]]
+    best_stock = stock_rows[0] if stock_rows else None
+    best = next(r for r in rows if r["validated"])
+    return {"model": spec.name, "model_source": spec.source, "size": f"{size}x{height}", "frames": frames,
+            "steps": steps, "gpu": g.key, "gpu_name": g.name, "mode": mode, "gpus_per_node": gpus_per_node,
+            "nodes": nodes, "world": run.world, "levels": full.describe(), "fixed_s": fixed,
+            "constants": ("fitted on xDiT's published runs (docs/results/xdit-published.yaml; `cocodiff plan "
+                          "--validate`)" if (g.key, "eager") in c.share else
+                          f"{g.key} has no published run: {g.like}'s achieved shares of its datasheet figures"),
+            "ranked": rows, "best": best, "best_stock": best_stock,
+            "speedup_vs_best_stock": best_stock["total_s"] / best["total_s"] if best_stock else None}
+
+
+def _gpu_row(layout: "gpu_model.Layout", backend: str, parts: dict, steps: int, fixed: float) -> dict:
+    return {"name": layout.name, "backend": backend, "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg,
+            "pipefusion": layout.pipefusion, "validated": gpu_model.validated(layout), "step_s": parts["step_s"],
+            "total_s": steps * parts["step_s"] + fixed,
+            "parts": {k: v for k, v in parts.items() if k != "step_s"}}
+
+
 def v_major_plan(spec: ModelSpec, full: Cluster, c: Coeffs, rows: List[dict], cluster: Optional[str], *, size: int,
                  frames: int, batch: int, steps: int, tflops: float) -> Optional[dict]:
     """V-Major where the layout crosses nodes (None elsewhere): on the Ulysses exchanges of the best
@@ -880,12 +897,19 @@ def v_major_defaults() -> dict:
 # ---------------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), help="the model to plan for")
-    p.add_argument("--size", type=int, default=1024, help="image height and width, pixels")
-    p.add_argument("--frames", type=int, default=1, help="video frames (wan)")
+    p.add_argument("--size", type=int, default=1024, help="image width (and height, unless --height), pixels")
+    p.add_argument("--height", type=int, default=None, help="image height, pixels (--gpu; default: --size)")
+    p.add_argument("--frames", type=int, default=1, help="video frames")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--cluster", default="dgx-h100",
                    help=f"topology preset (configs/*.yaml or a path) or emulated fabric ({', '.join(FABRICS)})")
+    p.add_argument("--gpu", choices=sorted(gpu_model.gpus()), default=None,
+                   help="price a GPU class's nodes (configs/gpus/classes.yaml, fitted on xDiT's published runs) instead of --cluster")
+    p.add_argument("--mode", choices=gpu_model.MODES, default="compiled", help="--gpu: xDiT run eagerly or with --use_torch_compile")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="--gpu: GPUs per node")
+    p.add_argument("--inter-node-gbps", type=float, default=None,
+                   help="--gpu: GB/s per GPU per direction between nodes (default: the class's reference server)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--local", type=int, default=None, help="ranks per node (emulated fabrics only)")
     p.add_argument("--calibrate", type=Path, default=None, help="a `cocodiff bench a2a` JSON to fit the model on")
@@ -898,10 +922,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     if args.validate:
-        rep = validate(args.results)
+        rep = {**validate(args.results), "published": gpu_model.validate()}
         if args.json:
             print(json.dumps(rep, indent=1))
             return 0
+        _print_published(rep["published"])
         for p in rep["per_point"]:
             print(f"{p['point']:58s} measured {p['measured_s'] * 1e3:8.1f} ms  predicted "
                   f"{p['predicted_s'] * 1e3:8.1f} ms  {p['rel_error']:+6.1%}")
@@ -913,6 +938,12 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise ValueError("--model is required (or --validate)")
+    if args.gpu:
+        rep = plan_gpu(args.model, args.size, gpu=args.gpu, mode=args.mode, gpus_per_node=args.gpus_per_node,
+                       nodes=args.nodes, height=args.height, frames=args.frames, steps=args.steps,
+                       inter_node_gbps=args.inter_node_gbps)
+        print(json.dumps(rep, indent=1)) if args.json else _print_gpu_plan(rep)
+        return 0
     rep = plan(args.model, args.size, cluster=args.cluster, nodes=args.nodes, local=args.local, frames=args.frames,
                batch=args.batch, steps=args.steps, calibrate=args.calibrate, tflops=args.tflops,
                pad_heads=not args.no_pad_heads)
@@ -950,3 +981,36 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"optional, lossy: {what} (comm {vm['comm_s'] * 1e3:.2f} ms/step; {vm['note']})" if vm["recommended"]
           else f"V-Major {vm['note']}")
     return 0
+
+
+def _print_published(rep: dict) -> None:
+    """xDiT's published rows against the GPU model (``--validate``)."""
+    for p in rep["per_row"]:
+        print(f"{p['line']:34s} {p['model']:13s} {p['gpus']:2d}x {p['gpu']:5s} {p['mode']:8s} {p['layout']:7s} "
+              f"published {p['published_s']:8.2f} s  predicted {p['predicted_s']:8.2f} s  {p['error']:+6.1%}")
+    for g in rep["groups"]:
+        print(f"  {g['group']:44s} fastest published {g['published_fastest']:6s} predicted {g['predicted_fastest']:6s}"
+              f"{'' if g['ranked_first'] else '  (missed)'}")
+    held = rep["held_out"]
+    print(f"xDiT's published runs, {rep['rows']} rows ({len(rep['not_expressible'])} not expressible): median "
+          f"|error| {rep['median_abs_error']:.1%}, worst {rep['worst_abs_error']:.1%}, fastest layout ranked first "
+          f"{rep['fastest_ranked_first']:.0%} ({', '.join(f'{k} {v}' for k, v in rep['met'].items())}); held out: "
+          f"median {held['median_abs_error']:.1%}, worst {held['worst_abs_error']:.1%}, ranked first "
+          f"{held['fastest_ranked_first']:.0%}\n{rep['method']}\n")
+
+
+def _print_gpu_plan(rep: dict) -> None:
+    print(f"{rep['model']} {rep['size']} x{rep['frames']}, {rep['steps']} steps on {rep['nodes']} x {rep['gpus_per_node']} "
+          f"{rep['gpu_name']} ({rep['levels']}), {rep['mode']}; constants {rep['constants']}")
+    print(f"fixed per run (text encoders, VAE decode): {rep['fixed_s']:.2f} s")
+    print(f"{'layout':10s} {'backend':8s} {'step ms':>9s} {'total s':>8s} {'compute':>8s} {'ulysses':>8s} {'ring':>7s} "
+          f"{'pipe':>6s} {'host':>7s}")
+    for r in rep["ranked"]:
+        p = r["parts"]
+        mark = "" if r["validated"] else "  (PipeFusion: priced, not validated)"
+        mark = "  <- best stock layout" if r is rep["best_stock"] else mark
+        print(f"{r['name']:10s} {r['backend']:8s} {r['step_s'] * 1e3:9.1f} {r['total_s']:8.2f} {p['compute_s'] * 1e3:8.1f} "
+              f"{p['ulysses_s'] * 1e3:8.2f} {p['ring_s'] * 1e3:7.2f} {p['pipefusion_s'] * 1e3:6.2f} {p['host_s'] * 1e3:7.1f}{mark}")
+    best = rep["best"]
+    print(f"best: {best['name']} ({best['backend']}), {rep['speedup_vs_best_stock']:.2f}x the best stock layout"
+          if rep["best_stock"] else f"best: {best['name']} ({best['backend']})")

@@ -330,15 +330,16 @@ def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
     assert f"cocodiff_xfuser/results/{plan.V_MAJOR_DEFAULTS_RUN}" in names and f"cocodiff_xfuser/results/{plan.HOST_RUN}" in names
     assert f"cocodiff_xfuser/results/{plan.HOST_COSTS}" in names
     assert sum(n.startswith("cocodiff_xfuser/results/kernels-") for n in names) == 3
+    assert "cocodiff_xfuser/results/xdit-published.yaml" in names and "cocodiff_xfuser/configs/gpus/classes.yaml" in names
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     code = ("import sys, cocodiff_xfuser; assert cocodiff_xfuser.__file__.startswith(sys.argv[1]); "
             "from cocodiff_xfuser.tools.cli import main; sys.exit(main(sys.argv[2:]))")
-    for cluster in (["--cluster", "rail"], ["--cluster", "dgx-h100", "--nodes", "2"]):
+    for cluster in (["--cluster", "rail"], ["--cluster", "dgx-h100", "--nodes", "2"], ["--gpu", "h20", "--nodes", "1"]):
         out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site"), "plan", "--model", "flux-dev", "--size",
                               "1024", *cluster], cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.splitlines()[0].startswith(("calibrated:", "UNCALIBRATED:")), out.stdout
+        assert out.stdout.splitlines()[0].startswith(("calibrated:", "UNCALIBRATED:", "flux-dev 1024x1024")), out.stdout
 
 
 def test_the_ranking_marks_the_best_stock_layout(capsys):
