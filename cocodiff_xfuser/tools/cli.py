@@ -12,6 +12,7 @@ from cocodiff_xfuser.settings import MODES
 from cocodiff_xfuser.tools import demo, generate, quality, verify
 from cocodiff_xfuser.tools import check as check_tool
 from cocodiff_xfuser.tools import topology_cli
+from cocodiff_xfuser.tools import payoff_map
 from cocodiff_xfuser.tools import plan as plan_tool
 from cocodiff_xfuser.tools.bench import a2a as bench_a2a
 from cocodiff_xfuser.tools.bench import e2e as bench_e2e
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
     plan_cmd = sub.add_parser("plan", help="cost model: predicted communication per step, recommended degrees and flags; --validate")
     plan_tool.add_arguments(plan_cmd)
+    payoff_map.add_arguments(plan_cmd)
     check_tool.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks, side by side in one run (emulated cluster: run as root)")
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "topology":
             return topology_cli.run_cli(args)
         if args.command == "plan":
-            return plan_tool.run_cli(args)
+            return payoff_map.run_cli(args) if args.map else plan_tool.run_cli(args)
         if args.command == "check":
             return check_tool.run_cli(args)
         if args.command == "bench" and args.kind == "e2e":

@@ -165,8 +165,9 @@ def _link_Bps(run: Run, span: int) -> float:
     return (run.inter_node_gbps or run.gpu.inter_node_gbps) * 1e9
 
 
-def step(run: Run, layout: Layout, c: Constants) -> dict:
-    """One denoising step of ``layout`` (seconds per rank, and its parts)."""
+def step(run: Run, layout: Layout, c: Constants, ring_bytes: float = 1.0) -> dict:
+    """One denoising step of ``layout`` (seconds per rank, and its parts); ``ring_bytes``: the
+    share of its K/V bytes the ring sends (V-Major's, where the ring crosses nodes)."""
     spec, U, R, C, P = run.model, layout.ulysses, layout.ring, layout.cfg, layout.pipefusion
     img, txt = spec.tokens(run.width, run.frames, run.height)
     batch = (2 if spec.cfg else 1) / C  # the rank's CFG branches
@@ -181,7 +182,7 @@ def step(run: Run, layout: Layout, c: Constants) -> dict:
         if U > 1:
             ulysses += count * 4 * local * (U - 1) / U / (_link_Bps(run, U) * c.a2a_share)
         if R > 1:
-            kv = 2 * local / U  # K and V of this rank's tokens and heads
+            kv = 2 * local / U * ring_bytes  # K and V of this rank's tokens and heads
             attention = batch * 4 * (s / (U * R)) * (s / R) * D * pad / U / rate  # one block pair
             over = max(0.0, kv / (_link_Bps(run, U * R) * c.a2a_share) - attention)
             ring += count * (R - 1) * (c.ring_pass_s + over)

@@ -733,25 +733,66 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
                  "step_s": max(device, stock["host_s"] * ratio), "host_bound": stock["host_s"] * ratio > device,
                  "v_first": best is vfirst, "algorithms": best["algorithms"]}
         rows.append(_gpu_row(layout, "cocodiff", parts, steps, fixed))
+        v_major = _gpu_v_major(run, layout, c, group, links, kw, parts, flat, host, steps, fixed)
+        if v_major is not None:
+            rows.append(v_major)
     if not rows:
         raise ValueError(f"no ulysses x ring x cfg x pipefusion layout of {run.world} GPUs fits {spec.name}")
     rows.sort(key=lambda r: r["total_s"])
     # The best of the layouts the fit has seen the like of (PipeFusion's are priced, not validated).
     stock_rows = [r for r in rows if r["backend"] == "stock" and r["validated"]]
     best_stock = stock_rows[0] if stock_rows else None
-    best = next(r for r in rows if r["validated"])
+    best = next(r for r in rows if r["validated"] and not r["lossy"])
+    best_lossy = next((r for r in rows if r["validated"] and r["lossy"]), None)
     return {"model": spec.name, "model_source": spec.source, "size": f"{size}x{height}", "frames": frames,
             "steps": steps, "gpu": g.key, "gpu_name": g.name, "mode": mode, "gpus_per_node": gpus_per_node,
             "nodes": nodes, "world": run.world, "levels": full.describe(), "fixed_s": fixed,
             "constants": ("fitted on xDiT's published runs (docs/results/xdit-published.yaml; `cocodiff plan "
                           "--validate`)" if (g.key, "eager") in c.share else
                           f"{g.key} has no published run: {g.like}'s achieved shares of its datasheet figures"),
-            "ranked": rows, "best": best, "best_stock": best_stock,
+            "ranked": rows, "best": best, "best_stock": best_stock, "best_lossy": best_lossy,
             "speedup_vs_best_stock": best_stock["total_s"] / best["total_s"] if best_stock else None}
 
 
+def _gpu_v_major(run: "gpu_model.Run", layout: "gpu_model.Layout", c: "gpu_model.Constants", group: Cluster,
+                 links: Coeffs, kw: dict, lossless: dict, flat: float, host: dict, steps: int, fixed: float) -> Optional[dict]:
+    """cocodiff with V-Major (lossy) on whichever of the layout's exchanges cross nodes: the Ulysses
+    one (its slow level's bytes scaled as the defaults' quality run measured) and the ring's K/V (as
+    its own run measured); its kernels priced from one H200's, scaled by memory bandwidth; eager,
+    its host time by ``bench host``'s counts. None where nothing crosses nodes."""
+    spec, g = run.model, run.gpu
+    on_ulysses = layout.ulysses > run.gpus_per_node
+    on_ring = layout.ring > 1 and layout.ulysses * layout.ring > run.gpus_per_node
+    if not (on_ulysses or on_ring):
+        return None
+    parts, quality = dict(lossless), []
+    if on_ulysses:
+        measured = v_major_defaults()
+        vm = predict_step(spec, group, links, v_first=True, v_major=measured["v_major_active_fraction"], **kw)
+        parts["ulysses_s"] = lossless["ulysses_s"] * vm["comm_s"] / max(predict_step(spec, group, links, v_first=True, **kw)["comm_s"], 1e-12)
+        quality.append(measured["psnr_db"])
+    if on_ring:
+        measured = ring_v_major_measured()
+        parts["ring_s"] = gpu_model.step(run, layout, c, v_major_scale(spec, measured["v_major_active_fraction"], steps))["ring_s"]
+        quality.append(measured["psnr_db"])
+    fixed_s, per_byte = v_major_layer_cost(KERNEL_GPU)
+    scale = DEVICE_MEMORY_BPS[KERNEL_GPU] / (g.memory_gbps * 1e9)
+    img, txt = spec.tokens(run.width, run.frames, run.height)
+    batch = (2 if spec.cfg else 1) / layout.cfg
+    tensors = (1 if on_ulysses else 0) + (2 if on_ring else 0)
+    kernels = sum(n * tensors * scale * (fixed_s + per_byte * batch * (img + (txt if j else 0)) / (layout.ulysses * layout.ring)
+                                         * spec.heads * spec.head_dim * spec.dtype_bytes) for n, j in spec.attn) / layout.pipefusion
+    host_s = parts["host_s"] * host["v_major"] / host["v_first"] if run.mode == "eager" else 0.0
+    device = parts["compute_s"] + parts["ulysses_s"] + parts["ring_s"] + parts["pipefusion_s"] + kernels
+    parts.update(host_s=host_s, step_s=max(device, host_s), host_bound=host_s > device, v_major_kernels_s=kernels,
+                 v_major_on=" and ".join(x for x, on in (("ulysses", on_ulysses), ("ring", on_ring)) if on))
+    row = _gpu_row(layout, "cocodiff+v-major", parts, steps, fixed)
+    row.update(lossy=True, psnr_db=min(quality))
+    return row
+
+
 def _gpu_row(layout: "gpu_model.Layout", backend: str, parts: dict, steps: int, fixed: float) -> dict:
-    return {"name": layout.name, "backend": backend, "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg,
+    return {"name": layout.name, "backend": backend, "lossy": False, "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg,
             "pipefusion": layout.pipefusion, "validated": gpu_model.validated(layout), "step_s": parts["step_s"],
             "total_s": steps * parts["step_s"] + fixed,
             "parts": {k: v for k, v in parts.items() if k != "step_s"}}

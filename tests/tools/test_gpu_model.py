@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cocodiff_xfuser.tools import cli, gpu_model, plan
+from cocodiff_xfuser.tools import cli, gpu_model, payoff_map, plan
 
 MODELS = ("flux-dev", "flux-schnell", "flux2-dev", "sd3.5-large", "qwen-image", "wan2.1-14b", "wan2.2-a14b",
           "hunyuan-video", "cogvideox-5b", "cogvideox-2b")
@@ -71,3 +71,27 @@ def test_bad_gpu_input_is_one_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["plan", "--model", "flux-dev", *argv])
     assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()[-1]) > 0
+
+
+def test_the_map_writes_a_png_and_its_json(tmp_path, capsys):
+    assert cli.main(["plan", "--map", "--model", "flux-dev", "--gpu", "h100", "--steps", "28", "--out", str(tmp_path),
+                     "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    report = json.loads(open(written["json"]).read())
+    assert len(report["cells"]) == len(report["gbps"]) * len(report["nodes"]) and min(report["gbps"]) == 1
+    assert max(report["gbps"]) == 400 and report["nodes"] == [1, 2, 4, 8, 16]
+    assert open(written["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    for cell in report["cells"]:
+        best = cell["best"]
+        assert cell["speedup_vs_best_stock"] == pytest.approx(cell["best_stock"]["total_s"] / best["total_s"])
+        assert cell["speedup_vs_best_stock"] >= 1 - 1e-9 and best.get("psnr_db", 99) >= report["min_psnr_db"]
+    # Within one node nothing crosses a slow link: no lossy configuration is chosen there.
+    assert all(c["best"]["backend"] != "cocodiff+v-major" for c in report["cells"] if c["nodes"] == 1)
+    # A PSNR floor above every measured one leaves only lossless configurations.
+    strict = payoff_map.build("flux-dev", 1024, gpu="h100", steps=28, min_psnr=99)
+    assert all(c["best"]["backend"] != "cocodiff+v-major" for c in strict["cells"])
+
+
+def test_the_map_needs_a_gpu_class(capsys):
+    assert cli.main(["plan", "--map", "--model", "flux-dev"]) == 2
+    assert "--map needs --model and --gpu" in capsys.readouterr().err
