@@ -235,7 +235,7 @@ def _joined(pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def _post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
+def post_uneven(out: list[torch.Tensor], inp: list[torch.Tensor], group: Any, role: str) -> transport.Completion:
     """Send ``inp[j]`` to group rank j and receive ``out[i]`` from group rank i (sizes known on both
     sides) as one batch; the own piece is copied."""
     done = transport.post([[t] for t in out], [[t] for t in inp], group, role, "rows", (*out, *inp))
@@ -322,7 +322,7 @@ class SparseHandle:
                              for j, piece in zip(run, buffer.split([sizes[j] for j in run]))}
             self._received = [remote_pieces[j] if j in remote_pieces else placed[j] if self._in_place
                               else torch.empty(sizes[j], dtype=torch.uint8, device=device) for j in range(w)]
-            self._pending = _post_uneven(self._received, inp, group, "sparse one-phase")
+            self._pending = post_uneven(self._received, inp, group, "sparse one-phase")
             return
         # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
         # (after their mask) for that lane on every other node (node order).
@@ -339,7 +339,7 @@ class SparseHandle:
             torch.empty(self._full_bytes + sum(self._size(m, level.at(n, lane)) for n in self._others), dtype=torch.uint8, device=device)
             for m in self._mates
         ]
-        self._pending = _post_uneven(self._phase1_out, inp, level.local_group, "sparse phase 1 (node)")
+        self._pending = post_uneven(self._phase1_out, inp, level.local_group, "sparse phase 1 (node)")
 
     def _rows(self, src: int, dst: int) -> int:
         """How many rows group rank ``src`` sends ``dst`` over slow links (known on every rank)."""
@@ -383,7 +383,7 @@ class SparseHandle:
             inp.append(torch.cat(forward[n]))
             out.append(torch.empty(sum(self._size(j, level.me) for j in srcs), dtype=torch.uint8, device=empty.device))
         self._phase2_out = out
-        self._phase2 = _post_uneven(out, inp, level.cross_group, "sparse phase 2 (across nodes)")
+        self._phase2 = post_uneven(out, inp, level.cross_group, "sparse phase 2 (across nodes)")
 
     def wait(self) -> torch.Tensor:
         """Complete the exchange into ``into`` (``[W, P, s, d]``, the previous result): rows from

@@ -733,7 +733,7 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
                  "step_s": max(device, stock["host_s"] * ratio), "host_bound": stock["host_s"] * ratio > device,
                  "v_first": best is vfirst, "algorithms": best["algorithms"]}
         rows.append(_gpu_row(layout, "cocodiff", parts, steps, fixed))
-        v_major = _gpu_v_major(run, layout, c, group, links, kw, parts, flat, host, steps, fixed)
+        v_major = _gpu_v_major(run, layout, c, group, links, kw, stock, parts, flat, host, steps, fixed)
         if v_major is not None:
             rows.append(v_major)
     if not rows:
@@ -755,11 +755,13 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
 
 
 def _gpu_v_major(run: "gpu_model.Run", layout: "gpu_model.Layout", c: "gpu_model.Constants", group: Cluster,
-                 links: Coeffs, kw: dict, lossless: dict, flat: float, host: dict, steps: int, fixed: float) -> Optional[dict]:
+                 links: Coeffs, kw: dict, stock: dict, lossless: dict, flat: float, host: dict, steps: int,
+                 fixed: float) -> Optional[dict]:
     """cocodiff with V-Major (lossy) on whichever of the layout's exchanges cross nodes: the Ulysses
-    one (its slow level's bytes scaled as the defaults' quality run measured) and the ring's K/V (as
-    its own run measured); its kernels priced from one H200's, scaled by memory bandwidth; eager,
-    its host time by ``bench host``'s counts. None where nothing crosses nodes."""
+    one (its slow level's bytes scaled as the defaults' quality run measured; the fitted stock
+    exchange scaled as the per-level model prices the two) and the ring's K/V (as its own run
+    measured); its kernels priced from one H200's, scaled by memory bandwidth; eager, its host time
+    by ``bench host``'s counts. None where nothing crosses nodes."""
     spec, g = run.model, run.gpu
     on_ulysses = layout.ulysses > run.gpus_per_node
     on_ring = layout.ring > 1 and layout.ulysses * layout.ring > run.gpus_per_node
@@ -769,7 +771,7 @@ def _gpu_v_major(run: "gpu_model.Run", layout: "gpu_model.Layout", c: "gpu_model
     if on_ulysses:
         measured = v_major_defaults()
         vm = predict_step(spec, group, links, v_first=True, v_major=measured["v_major_active_fraction"], **kw)
-        parts["ulysses_s"] = lossless["ulysses_s"] * vm["comm_s"] / max(predict_step(spec, group, links, v_first=True, **kw)["comm_s"], 1e-12)
+        parts["ulysses_s"] = stock["ulysses_s"] * vm["comm_s"] / flat
         quality.append(measured["psnr_db"])
     if on_ring:
         measured = ring_v_major_measured()
