@@ -88,6 +88,7 @@ def test_demo_on_the_emulated_cluster_shows_the_best_stock_layout_beside_cocodif
     result = _cocodiff("demo", "--out", str(tmp_path), timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[3/3]" in result.stdout and "best stock layout" in result.stdout and "cocodiff, lossy (V-Major)" in result.stdout
+    assert "the links add" in result.stdout
 
 
 @pytest.mark.parametrize(
