@@ -77,8 +77,9 @@ def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, gr
     out = torch.empty(*planes, k, width, dtype=torch.uint8, device=x.device)
     n = math.prod(planes)
     if n and k:
-        launchable(_encode)[(n, cdiv(k, ENCODE_ROWS))](x, reference, rows, out, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
-                                                  WIDTH=width, ROWS=ENCODE_ROWS, num_warps=ENCODE_WARPS)
+        launchable(_encode)[(n, cdiv(k, ENCODE_ROWS))](
+            x, reference, rows, out, s, k, D=d, G=group, BLOCK=next_power_of_2(d), WIDTH=width, ROWS=ENCODE_ROWS,
+            num_warps=ENCODE_WARPS)
     return out
 
 
@@ -91,8 +92,9 @@ def apply_int4(held: torch.Tensor, payload: torch.Tensor, rows: torch.Tensor | N
     if n and k:
         every = rows is None
         index = payload if every else rows  # any pointer where the kernel reads no index
-        launchable(_apply)[(n, cdiv(k, APPLY_ROWS))](held, payload, index, s, k, D=d, G=group, BLOCK=next_power_of_2(d),
-                                                WIDTH=payload.shape[-1], EVERY=every, ROWS=APPLY_ROWS, num_warps=APPLY_WARPS)
+        launchable(_apply)[(n, cdiv(k, APPLY_ROWS))](
+            held, payload, index, s, k, D=d, G=group, BLOCK=next_power_of_2(d), WIDTH=payload.shape[-1], EVERY=every,
+            ROWS=APPLY_ROWS, num_warps=APPLY_WARPS)
 
 
 def _jit(fn):

@@ -65,8 +65,8 @@ def top(ranks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     s = ranks.numel()
     active = torch.empty(k, dtype=torch.long, device=ranks.device)
     mask = torch.empty(sparse.mask_bytes(s), dtype=torch.uint8, device=ranks.device)
-    residual_kernels.launchable(_top)[(cdiv(mask.numel() * 8, TOP_TOKENS),)](ranks, active, mask, s, s - k, mask.numel(),
-                                                                            BI=TOP_TOKENS)
+    residual_kernels.launchable(_top)[(cdiv(mask.numel() * 8, TOP_TOKENS),)](
+        ranks, active, mask, s, s - k, mask.numel(), BI=TOP_TOKENS)
     return active, mask
 
 
