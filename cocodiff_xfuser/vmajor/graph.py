@@ -7,8 +7,8 @@ feedback: a token left out keeps its distance to the value the receivers hold, a
 again at the next step. Each exchange is one ``all_to_all_single`` over the Ulysses group with
 split sizes fixed by the shapes and that count (node-mates get whole chunks, ranks on other nodes
 the rows, after a bitmask of them in V's exchange, whose receivers learn from it which rows Q/K's
-and the output's carry), which inductor schedules and a CUDA graph captures as stock's exchange (eagerly on gloo, one
-point-to-point batch of the same pieces: :func:`_uneven_all_to_all`).
+and the output's carry), which inductor schedules and a CUDA graph captures as stock's exchange
+(eagerly, cocodiff's point-to-point batch of the same pieces: :func:`_uneven_all_to_all`).
 No operator of cocodiff's, no host read. V's exchange is issued before Q and K are projected and
 received after Q/K's is issued; at a sparse step, where V's exchange is its few changed rows and
 there is little to hide, V's rows ride in Q/K's exchange instead (one input exchange per layer, its
@@ -279,14 +279,12 @@ def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver:
 
 
 def _uneven_all_to_all(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-    """The exchange of flat ``x`` in pieces of ``sizes`` both ways over ``group``: the functional
-    collective, which a graph holds and NCCL and XCCL run eagerly too. Eagerly on gloo (the CPU's
-    backend, where its fair flat exchange is a point-to-point batch, :func:`.transport.fair_flat`),
-    one such batch of the same bytes, completed before the layer goes on: on the emulated cluster
-    gloo's ``all_to_all_single`` with split sizes gave the static path's step 0.80x the best stock
-    layout's, the batch waited for where the result is read 0.89x, waited for at once 1.06x
-    (docs/benchmarks.md, "The static path's exchange on gloo")."""
-    if torch.compiler.is_compiling() or transport.fair_flat(group, x.device) != "flat-p2p":
+    """The exchange of flat ``x`` in pieces of ``sizes`` both ways over ``group``: traced, the
+    functional collective a graph holds; eagerly, on every backend, cocodiff's point-to-point batch
+    of the same pieces (as the per-call path sends its rows, :func:`.sparse.post_uneven`), waited
+    for before the layer goes on: gloo's ``all_to_all_single`` with split sizes posts its pairs
+    round after round (docs/benchmarks.md, "The static path's exchange on gloo")."""
+    if torch.compiler.is_compiling():
         return functional.uneven_all_to_all(x, sizes, group.group_name)
     out = torch.empty_like(x)
     sparse.post_uneven(list(out.split(sizes)), list(x.split(sizes)), group, "v-major one-phase").wait()
