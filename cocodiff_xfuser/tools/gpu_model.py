@@ -208,8 +208,8 @@ def layouts(run: Run, stock: bool = True) -> List[Layout]:
     Ulysses degrees that divide the heads; PipeFusion stages no more than the layers)."""
     out = []
     for C in ((1, 2) if run.model.cfg else (1,)):
-        for P in _divisors(run.world // C if run.world % C == 0 else 0):
-            for U in _divisors(run.world // C // P):
+        for P in divisors(run.world // C if run.world % C == 0 else 0):
+            for U in divisors(run.world // C // P):
                 R = run.world // C // P // U
                 if (stock and run.model.heads % U) or P > run.model.layers:
                     continue
@@ -222,7 +222,8 @@ def validated(layout: Layout) -> bool:
     return layout.pipefusion == 1
 
 
-def _divisors(n: int) -> List[int]:
+def divisors(n: int) -> List[int]:
+    """The divisors of ``n``, ascending (none of 0): the degrees a world of ``n`` ranks splits into."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 

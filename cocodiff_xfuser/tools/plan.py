@@ -566,10 +566,6 @@ def validate(results: Path = RESULTS_DIR) -> dict:
 
 
 # ---------------------------------------------------------------------------------- plan
-def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Optional[int] = None, frames: int = 1,
          batch: int = 1, steps: int = 50, calibrate: Optional[Path] = None, tflops: Optional[float] = None,
          pad_heads: bool = True, fabric_params: Optional[dict] = None) -> dict:
@@ -609,7 +605,7 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
     layers = sum(n for n, _ in spec.attn)
     rows = []
     for C in ([1, 2] if spec.cfg and W % 2 == 0 else [1]):
-        for U in _divisors(W // C):
+        for U in gpu_model.divisors(W // C):
             R = W // C // U
             if spec.heads % U and not pad_heads:
                 continue
