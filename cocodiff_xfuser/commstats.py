@@ -35,7 +35,8 @@ from cocodiff_xfuser import compat
 from cocodiff_xfuser.platform import detect
 
 CALIBRATION_CALLS = 3
-_enabled = os.environ.get("COCODIFF_COMM_STATS", "") not in ("", "0")
+#: Whether timings are on (:func:`enabled`; an attribute for code where a call per exchange would count).
+timings_on = os.environ.get("COCODIFF_COMM_STATS", "") not in ("", "0")
 
 
 @dataclass
@@ -85,7 +86,7 @@ def traced(name: str, *args: object) -> None:
     the graph being traced runs (after each transformer call: :func:`call_ended`); called eagerly,
     once, now. Call it from traced code itself, not from a function run at trace time
     (:func:`compat.trace_time`), where torch before 2.13 does not say it is compiling."""
-    if torch.compiler.is_compiling():  # dynamo reads this as true in the code it traces
+    if torch.compiler.is_dynamo_compiling():  # dynamo reads this as true in the code it traces (one Python call eagerly)
         _record(name, args)
     else:
         globals()[name](*args)
@@ -121,7 +122,9 @@ def call_ended(signature: tuple) -> None:
             setattr(_ran, name, getattr(_ran, name) + counts)
 
 
-def count_exchange(algorithm: str, label: str, slow_link_bytes: int = 0, slow_link_bytes_exact: int = 0) -> None:
+def count_exchange(algorithm: str, label: str, slow_link_bytes: int = 0, slow_link_bytes_exact: int = 0, copied_bytes: int = 0) -> None:
+    """An exchange, with the bytes its layouts copied (one count, not two: its host time counts)."""
+    _ran.copied_bytes += copied_bytes
     _ran.exchanges[algorithm] += 1
     _ran.labels[label] += 1
     _ran.slow_link_bytes += slow_link_bytes
@@ -246,18 +249,18 @@ def reset_ran() -> None:
 
 
 def enabled() -> bool:
-    return _enabled
+    return timings_on
 
 
 def enable() -> None:
     """Turn the timings on in this process, as ``COCODIFF_COMM_STATS=1`` does at start-up."""
-    global _enabled
-    _enabled = True
+    global timings_on
+    timings_on = True
 
 
 def timed_exchange(exchange: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``exchange(x)``, blocking; with statistics on, its bytes and the time it blocked are recorded."""
-    if not _enabled:
+    if not timings_on:
         return exchange(x)
     # Synchronized at both ends (as comm.timing's samples are; imported there, timing would import the
     # transport, which counts here): the device's time on GPUs, not the host's launch time.
@@ -277,12 +280,12 @@ def record_exchange(nbytes: int, blocked_s: float) -> None:
 
 def calibrating(label: str, nbytes: int) -> bool:
     """True while this (label, size) still needs exchanges waited for at once, to measure their time."""
-    return _enabled and len(_overlap[(label, nbytes)].calibration_s) < CALIBRATION_CALLS
+    return timings_on and len(_overlap[(label, nbytes)].calibration_s) < CALIBRATION_CALLS
 
 
 def record_async(label: str, nbytes: int, started: float, waited: float, finished: float, calibration: bool) -> None:
     """An asynchronous exchange: started, waited for, finished (``perf_counter`` seconds)."""
-    if not _enabled:
+    if not timings_on:
         return
     stats = _overlap[(label, nbytes)]
     if calibration:

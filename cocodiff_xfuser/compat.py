@@ -190,12 +190,17 @@ def is_wrapped(function: object) -> bool:
     return getattr(function, "_cocodiff_wrapped", False)
 
 
+_MISSING = object()
+
+
 def private(module: str, name: str) -> Any:
     """The private xfuser name ``module.name`` (one of :data:`PRIVATE_NAMES`), checked."""
     if (module, name) not in PRIVATE_NAMES:
         raise ValueError(f"{module}.{name} is not in compat.PRIVATE_NAMES; add it there")
     # Read on every call (a switch may have replaced it); the module is imported once.
-    return target(sys.modules.get(module) or importlib.import_module(module), name)
+    owner = sys.modules.get(module) or importlib.import_module(module)
+    found = getattr(owner, name, _MISSING)
+    return target(owner, name) if found is _MISSING else found  # (target: the clear error)
 
 
 def set_private(module: str, name: str, value: Any) -> None:

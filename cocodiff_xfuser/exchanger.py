@@ -111,9 +111,13 @@ class Exchanger:
         # The groups a traced exchange names: the Ulysses group's, and its levels' (TAPA's) where it has them.
         plan = tapa.plan(group)
         self._level_groups = () if plan is None else tuple(g.group_name for g in plan.level_groups)
-        self._graph_routes: dict[tuple, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+        self._graph_routes: dict[tuple, tuple] = {}  # (payload shape, dtype, device, exact bytes) -> route
         #: :meth:`graph_route` as traced code calls it: run when a graph is traced, its result a constant.
         self.traced_route = compat.trace_time_method(self.graph_route)
+        #: Whether eager exchanges take this exchanger's handles rather than the functional collectives a
+        #: graph holds (:mod:`cocodiff_xfuser.ulysses_collectives`): a point-to-point exchange asked for by
+        #: name, and fp8 on the slow links only, whose split sizes gloo's all-to-all posts pair after pair.
+        self.handles_only = options.a2a in ("flat-p2p", "flat-pxn") or options.compress == "fp8-slow"
         #: A V-First processor's fall-back decisions, agreed over the group once per (processor, input
         #: shapes, local reason): the reason (None: V-First runs).
         self.agreed: dict[tuple, str | None] = {}
@@ -312,17 +316,22 @@ class Exchanger:
         out = self.finish(lambda: route.start(flat).wait(), label, route.algorithm, route.where)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
 
-    def graph_route(self, label: str, shape: tuple[int, ...], dtype: str, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def graph_route(self, label: str, shape: tuple[int, ...], dtype: str, device: str, exact_bytes: int) -> tuple:
         """The route of a traced exchange (:mod:`cocodiff_xfuser.ulysses_collectives`) of a payload of
-        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them): ``(levels, group names)``,
-        one group for the flat exchange, one per level for TAPA's.
+        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them) that stands for
+        ``exact_bytes`` uncompressed: ``(algorithm, levels, group names, slow-link bytes, their
+        exact count)``, one group for the flat exchange, one per level for TAPA's.
         Decided when the graph is traced, once per size (collective where ``--cocodiff-a2a auto``
-        measures): flat unless TAPA is asked for or measures faster, each measured as the graph runs it."""
-        torch_dtype = getattr(torch, dtype.removeprefix("torch."))
-        key = (shape, torch_dtype, device)
+        measures): flat unless TAPA is asked for or measures faster, each measured as the graph runs it.
+        Eagerly, the same route for the same code, looked up per call."""
+        key = (shape, dtype, device, exact_bytes)
         route = self._graph_routes.get(key)
         if route is None:
-            route = self._graph_routes[key] = self.finish(lambda: self._new_graph_route(*key), label, "autotune")
+            torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+            levels, groups = self.finish(lambda: self._new_graph_route(shape, torch_dtype, device), label, "autotune")
+            share = self.layout.slow_share
+            route = self._graph_routes[key] = ("hierarchical" if levels else "flat", levels, groups,
+                                               int(math.prod(shape) * torch_dtype.itemsize * share), int(exact_bytes * share))
         return route
 
     def _new_graph_route(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -1,4 +1,4 @@
-"""A compiled layer's exact Ulysses exchanges, as the graph holds them: functional collectives.
+"""An exact layer's Ulysses exchanges, as a compiled graph holds them and eager runs them: functional collectives.
 
 Traced by torch.compile, a layer whose exchanges are exact, fp8 on every link or fp8 on the slow
 links only (no V-Major, no padded tokens, no ring: :func:`applies`) holds plain traceable torch:
@@ -11,50 +11,76 @@ for where attention reads it (:func:`exchange_inputs`); xDiT's overlap passes (`
 ``sink_waits``) keep it so. What an exchange needs to know is fixed when the graph is traced: its
 route (flat or TAPA's levels, :meth:`~cocodiff_xfuser.exchanger.Exchanger.graph_route`, measured
 once per size with real buffers), and what ran, counted then and added per transformer call
-(:func:`cocodiff_xfuser.commstats.traced`). Eagerly the processors take the exchanger's handles.
+(:func:`cocodiff_xfuser.commstats.traced`).
+
+Eagerly the same code runs (the route looked up per call, measured on a size's first use, and the
+counts made as it runs), so that eager and compiled jobs exchange alike and an eager layer's host
+work is the traced code's; only what the exchanger's handles alone do keeps them
+(:attr:`~cocodiff_xfuser.exchanger.Exchanger.handles_only`). An eager input exchange is waited for
+where it is read, and with statistics on it is timed as the handles are.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from cocodiff_xfuser import commstats, padding
-from cocodiff_xfuser.comm import compress, functional, sparse, transport
+from cocodiff_xfuser.comm import compress, functional, sparse, timing, transport
+from cocodiff_xfuser.comm.flat import ASYNC_COLLECTIVE
 from cocodiff_xfuser.exchanger import Exchanger
 
 
 def applies(exchanger: Exchanger, layer: object | None) -> bool:
-    """Whether a traced layer's exchanges are functional collectives: no V-Major ``layer``, no padded
-    tokens in the running forward (whose trim keeps a host-side index), and no ring. Under a ring the graph breaks at the
+    """Whether a layer's exchanges are functional collectives: no V-Major ``layer``, no padded tokens
+    in the running forward (whose trim keeps a host-side index), and no ring. Under a ring the graph breaks at the
     ring attention (in stock too) and dynamo traces the layer's pieces as frames of their own, again
-    per block type with dynamic sizes, which a graph cannot name when it is traced: operators there."""
+    per block type with dynamic sizes, which a graph cannot name when it is traced: operators there.
+    Eagerly the same code runs, but where the exchanger was asked for what only its handles do
+    (:attr:`~cocodiff_xfuser.exchanger.Exchanger.handles_only`)."""
     return (layer is None and exchanger.ring_group is None and exchanger.options.compress in ("none", "fp8", "fp8-slow")
-            and not padding.tokens_padded())
+            and not padding.tokens_padded() and (not exchanger.handles_only or torch.compiler.is_dynamo_compiling()))
 
 
-def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor:
+def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str, copied: int = 0, widen: bool = True) -> torch.Tensor:
     """The equal-split all-to-all of ``x`` (chunks destination-major along the flattened data, as
     xfuser's ``_sdpa_all_to_all_single``; rows of its last dim) over the Ulysses group, by the route
-    fixed for its size; under ``--cocodiff-compress fp8`` packed as the exchanger packs it."""
+    fixed for its size; under ``--cocodiff-compress fp8`` packed as the exchanger packs it.
+    ``copied``: the bytes its caller's layouts copy, counted with it. Without ``widen``, values
+    that crossed the emulated wire narrower (:func:`.transport.on_wire`) stay so: eagerly, widening
+    waits for the exchange, which its reader does (:func:`wait`)."""
     if exchanger.options.compress == "fp8-slow" and exchanger.slow_level is not None and x.dtype in compress.WIDE:
-        return _slow_fp8(exchanger, x, label)
+        return _slow_fp8(exchanger, x, label, copied)
     world, d = exchanger.world_size, x.shape[-1]
-    exact_bytes = x.numel() * transport.wire_itemsize(x.dtype)
     fp8 = exchanger.options.compress == "fp8" and x.dtype in compress.WIDE
-    # [W * ..., d] -> [W, c]: chunk j for group rank j; fp8: [W, rows, d] -> [W, rows * (d + 4)] bytes
-    payload = compress.pack(transport.wire_values(x).reshape(world, -1, d)) if fp8 else x.reshape(world, -1)
+    if fp8:
+        exact_bytes = x.numel() * transport.wire_itemsize(x.dtype)
+        # [W * ..., d] -> [W, rows, d] -> [W, rows * (d + 4)] bytes: chunk j for group rank j
+        payload = compress.pack(transport.wire_values(x).reshape(world, -1, d))
+    else:
+        # [W * ..., d] -> [W, c]: chunk j for group rank j, in the wire's dtype
+        payload = transport.on_wire(x).reshape(world, -1)
+        exact_bytes = payload.numel() * payload.element_size()
     # Routed once per traced exchange, before the graph runs (collective: every rank traces alike).
-    levels, groups = exchanger.traced_route(label, tuple(payload.shape), str(payload.dtype), str(payload.device))
-    share = exchanger.layout.slow_share
-    commstats.traced("count_exchange", "hierarchical" if levels else "flat", label,
-                     int(payload.numel() * transport.wire_itemsize(payload.dtype) * share), int(exact_bytes * share))
+    algorithm, levels, groups, sent, exact = exchanger.traced_route(
+        label, tuple(payload.shape), str(payload.dtype), str(payload.device), exact_bytes)
+    commstats.traced("count_exchange", algorithm, label, sent, exact, copied)
     out = functional.all_to_all(payload, groups[0]) if len(groups) == 1 else functional.levels_all_to_all(payload, levels, groups)
     if fp8:
-        out = compress.unpack(out, x.numel() // (world * d), d, x.dtype)
-    return out.reshape(x.shape)
+        return compress.unpack(out, x.numel() // (world * d), d, x.dtype).reshape(x.shape)
+    out = out.reshape(x.shape)
+    return _widened(out, x.dtype) if widen else out
 
 
-def _slow_fp8(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor:
+def _widened(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` waited for, in ``dtype`` where it crossed the wire narrower."""
+    if isinstance(out, ASYNC_COLLECTIVE):  # eagerly (wait_collective's test, inlined: this runs per exchange)
+        out = out.wait()
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _slow_fp8(exchanger: Exchanger, x: torch.Tensor, label: str, copied: int) -> torch.Tensor:
     """:func:`all_to_all` under ``--cocodiff-compress fp8-slow``: node-mates get the values, ranks on
     other nodes every row in fp8 with its scale, in one exchange with split sizes fixed by the shape."""
     world, d, level = exchanger.world_size, x.shape[-1], exchanger.slow_level
@@ -75,7 +101,7 @@ def _slow_fp8(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor
             pieces.append(x.new_zeros(piece - packed, dtype=torch.uint8))
     out = functional.uneven_all_to_all(torch.cat(pieces), sizes, exchanger.group.group_name)
     remote = len(level.remote)
-    commstats.traced("count_exchange", "fp8-slow one-phase", label, remote * piece, remote * full)
+    commstats.traced("count_exchange", "fp8-slow one-phase", label, remote * piece, remote * full, copied)
     received = [part.view(wire).view(rows, d).to(x.dtype) if level.fast(i) else
                 compress.unpack_rows(part[:packed].view(rows, compress.packed_bytes(1, d)), x.dtype)
                 for i, part in enumerate(out.split(sizes))]
@@ -83,11 +109,14 @@ def _slow_fp8(exchanger: Exchanger, x: torch.Tensor, label: str) -> torch.Tensor
 
 
 class InFlight:
-    """Same-shaped ``[b, h, s, d]`` tensors whose input exchange has been issued: ``exchanged`` is
-    source-major ``[W, n, b, h/W, s, d]``, which the graph waits for where it is read."""
+    """Same-shaped ``[b, h, s, d]`` tensors of ``dtype`` whose input exchange has been issued:
+    ``exchanged`` is source-major ``[W, n, b, h/W, s, d]``, which is waited for where it is read.
+    ``timed``: with statistics on, eagerly, its label, bytes, start and whether it calibrates
+    (waited for at once: :func:`cocodiff_xfuser.commstats.calibrating`)."""
 
-    def __init__(self, exchanger: Exchanger, exchanged: torch.Tensor) -> None:
-        self.exchanger, self.exchanged = exchanger, exchanged
+    def __init__(self, exchanger: Exchanger, exchanged: torch.Tensor, dtype: torch.dtype,
+                 timed: tuple[str, int, float, bool] | None = None) -> None:
+        self.exchanger, self.exchanged, self.dtype, self.timed = exchanger, exchanged, dtype, timed
 
 
 def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -95,35 +124,63 @@ def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tens
     destination-major input of their exchange, ``[W, n, b, h/W, s, d]``."""
     world = exchanger.world_size
     heads = tensors[0].shape[1]
-    tensors = tuple([padding.pad_heads(t, world) for t in tensors])
-    b, h, s, d = tensors[0].shape
-    # [b, h, s, d] -> [b, W, h/W, s, d] -> [W, b, h/W, s, d], stacked at dim 1: [W, n, b, h/W, s, d]
-    # (head block g for group rank g: destination-major, one copy)
-    stacked = torch.stack([t.view(b, world, h // world, s, d).transpose(0, 1) for t in tensors], 1)
-    nbytes = stacked.numel() * stacked.element_size()
-    commstats.traced("count_copy", nbytes)
+    blocks = []  # (loops, not comprehensions: each is a Python call per layer)
+    for t in tensors:
+        if t.shape[1] % world:
+            t = padding.pad_heads(t, world)
+        b, h, s, d = t.shape
+        # [b, h, s, d] -> [b, W, h/W, s, d] -> [W, b, h/W, s, d] (head block g for group rank g)
+        blocks.append(t.view(b, world, h // world, s, d).transpose(0, 1))
+    # stacked at dim 1: [W, n, b, h/W, s, d], destination-major, one copy
+    stacked = torch.stack(blocks, 1)
     if heads < h:
-        commstats.traced("count_padding", round(nbytes * (1 - heads / h)))
+        commstats.traced("count_padding", round(stacked.numel() * stacked.element_size() * (1 - heads / h)))
     return stacked
 
 
 def start(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...], label: str) -> InFlight:
-    """Issue the Ulysses input exchange of ``tensors`` (their heads padded to a multiple of W)."""
-    return InFlight(exchanger, all_to_all(exchanger, stack(exchanger, tensors), label))
+    """Issue the Ulysses input exchange of ``tensors`` (their heads padded to a multiple of W),
+    counted with its two copies: the stack, and the layout it is read in (:func:`sequence`)."""
+    stacked = stack(exchanger, tensors)
+    copied = 2 * stacked.numel() * stacked.element_size()
+    if commstats.timings_on and not torch.compiler.is_dynamo_compiling():
+        return _timed_start(exchanger, stacked, label, copied)
+    return InFlight(exchanger, all_to_all(exchanger, stacked, label, copied, widen=False), stacked.dtype)
+
+
+def _timed_start(exchanger: Exchanger, stacked: torch.Tensor, label: str, copied: int) -> InFlight:
+    """:func:`start` with statistics on (eagerly): timed from here to where it is read (:func:`wait`);
+    one that calibrates completes here, its own time measured."""
+    nbytes = stacked.numel() * transport.wire_itemsize(stacked.dtype)
+    started = timing.now(stacked.device)
+    pending = InFlight(exchanger, all_to_all(exchanger, stacked, label, copied, widen=False), stacked.dtype,
+                       (label, nbytes, started, commstats.calibrating(label, nbytes)))
+    if pending.timed[3]:
+        pending.exchanged = _widened(pending.exchanged, pending.dtype)
+        commstats.record_async(label, nbytes, started, started, timing.now(stacked.device), True)
+    return pending
 
 
 def sequence(exchanged: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A source-major exchange result ``[W, n, b, h/W, s, d]`` as n head-sharded ``[b, h/W, W*s, d]``."""
+    """A source-major exchange result ``[W, n, b, h/W, s, d]`` as n head-sharded ``[b, h/W, W*s, d]``
+    (one copy, which the exchange's caller counts)."""
     world, n, b, local_heads, s, d = exchanged.shape
-    # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d], per tensor
-    out = tuple([exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d) for i in range(n)])
-    commstats.traced("count_copy", n * out[0].numel() * out[0].element_size())
-    return out
+    out = []
+    for i in range(n):
+        # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d]
+        out.append(exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d))
+    return tuple(out)
 
 
 def wait(pending: InFlight) -> tuple[torch.Tensor, ...]:
     """The exchanged tensors, head-sharded ``[b, h/W, W*s, d]``."""
-    return sequence(pending.exchanged)
+    if pending.timed is None or pending.timed[3]:
+        return sequence(_widened(pending.exchanged, pending.dtype))
+    label, nbytes, started, _ = pending.timed
+    waited = time.perf_counter()
+    exchanged = _widened(pending.exchanged, pending.dtype)
+    commstats.record_async(label, nbytes, started, waited, timing.now(exchanged.device), False)
+    return sequence(exchanged)
 
 
 def start_v(exchanger: Exchanger, value: torch.Tensor, label: str) -> InFlight:
@@ -152,7 +209,11 @@ def output(exchanger: Exchanger, out: torch.Tensor, heads: int) -> torch.Tensor:
     if heads < h * world:
         commstats.traced("count_padding", round(out.numel() * out.element_size() * (1 - heads / (h * world))))
     # [b, h/W, W*s, d] -> [W*s, b, h/W, d]: token block j for group rank j
-    exchanged = all_to_all(exchanger, out.permute(2, 0, 1, 3).contiguous(), "out")
+    blocks = out.permute(2, 0, 1, 3).contiguous()
+    if commstats.timings_on and not torch.compiler.is_dynamo_compiling():
+        exchanged = commstats.timed_exchange(lambda t: all_to_all(exchanger, t, "out"), blocks)
+    else:
+        exchanged = all_to_all(exchanger, blocks, "out")
     # [W, s, b, h/W, d] -> [b, W, h/W, s, d] -> [b, h, s, d]
     exchanged = exchanged.reshape(world, s // world, b, h, d).permute(2, 0, 3, 1, 4).reshape(b, world * h, s // world, d)
     return exchanged if exchanged.shape[1] == heads else exchanged[:, :heads]

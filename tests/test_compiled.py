@@ -191,6 +191,9 @@ def test_a_compiled_exact_job_counts_what_its_eager_twin_runs(generated):
     assert eager["v_first_calls"] > 0 and calls >= 1, (compiled, eager)
     assert {k: v / calls for k, v in compiled["labels"].items()} == eager["labels"], (compiled, eager)
     assert compiled["slow_link_bytes_exact"] == eager["slow_link_bytes_exact"] * calls, (compiled, eager)
+    # Eager runs the code the graph holds: the same exchanges by route, the same copies, per call.
+    assert {k: v / calls for k, v in compiled["exchanges"].items()} == eager["exchanges"], (compiled, eager)
+    assert compiled["copied_bytes"] == eager["copied_bytes"] * calls, (compiled, eager)
 
 
 @pytest.mark.parametrize("backend", ["topk", "fp8-slow"])

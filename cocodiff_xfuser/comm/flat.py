@@ -33,9 +33,13 @@ class AllToAllHandle(Protocol):
         """Block until the exchange is complete and return its output (same shape as input)."""
 
 
+#: What a functional collective returns eagerly (traced, a plain tensor the graph waits for).
+ASYNC_COLLECTIVE = compat.torch_private(_FUNCTIONAL, "AsyncCollectiveTensor")
+
+
 def wait_collective(t: torch.Tensor) -> torch.Tensor:
     # Under tracing functional collectives return plain tensors with the wait already inserted.
-    return t.wait() if isinstance(t, compat.torch_private(_FUNCTIONAL, "AsyncCollectiveTensor")) else t
+    return t.wait() if isinstance(t, ASYNC_COLLECTIVE) else t
 
 
 class FlatHandle:

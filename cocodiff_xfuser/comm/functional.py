@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from .. import compat
+from . import flat
 
 # Looked up once, at import (a graph cannot trace the lookup; eager exchanges use the same name,
 # :mod:`.flat`).
@@ -52,6 +53,8 @@ def levels_all_to_all(x: torch.Tensor, levels: Sequence[int], groups: Sequence[s
         # (inductor folds the previous level's inverse permutation into it)
         lead = data.movedim(level, 0).contiguous()
         # chunk i came from the level peer with coordinate i: the coordinate is now the source's
-        data = all_to_all(lead, groups[level]).movedim(0, level)
+        data = all_to_all(lead, groups[level])
+        # eagerly, each level waits for the one before (traced, the graph places the waits)
+        data = (data if level == 0 else flat.wait_collective(data)).movedim(0, level)
     # [s_0, ..., s_{k-1}, c] (source coordinates) -> x's shape: chunk s from group rank s
     return data.reshape(x.shape)

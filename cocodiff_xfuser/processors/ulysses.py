@@ -221,9 +221,10 @@ def start_input_exchange(
     """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``exchanger``,
     asynchronously (counted as the call); ``layer``: its V-Major layer.
 
-    Traced by torch.compile, an exact layer's exchange is a functional collective of the graph
-    (:mod:`cocodiff_xfuser.ulysses_collectives`), issued here, before Q and K are projected. A
-    V-Major or fp8-slow one is an operator of the graph, which returns a token for :func:`attention`
+    An exact layer's exchange is a functional collective (:mod:`cocodiff_xfuser.ulysses_collectives`),
+    issued here, before Q and K are projected, traced or not; a top-k V-Major layer's likewise
+    (:mod:`cocodiff_xfuser.vmajor.graph`). Eagerly, the others take the exchanger's handles. Traced,
+    the others are an operator of the graph, which returns a token for :func:`attention`
     (the exchange in flight waits in the process's slot). ``ahead_of``: the tensors Q and K are
     computed from (one, or two with None for a missing second). The operator declares them
     written, which they are not, so that the graph computes Q and K after it: else inductor's
@@ -231,11 +232,11 @@ def start_input_exchange(
     locality and for peak memory, on by default, do), and nothing would hide V's exchange.
     Eagerly the program's order holds.
     """
-    if vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
+    if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
         return vmajor_graph.start_v(exchanger, layer, value, label)
-    if torch.compiler.is_compiling():
-        if ulysses_collectives.applies(exchanger, layer):
-            return ulysses_collectives.start_v(exchanger, value, label)
+    if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
+        return ulysses_collectives.start_v(exchanger, value, label)
+    if torch.compiler.is_dynamo_compiling():
         first, second = (*ahead_of, None)[:2]
         return torch.ops.cocodiff.v_first_start(value, label, -1 if layer is None else layer.number, first, second)
     return _start_input_exchange(exchanger, value, label=label, layer=layer)
@@ -346,37 +347,34 @@ def attention(
     :func:`output_exchange`). The joint tokens' layout, the K/V trim and the attention itself are traced.
     """
     head_count = query.shape[1]
-    query, joint_attn_kwargs = _joined(query, joint_query, joint_key, joint_value, joint_strategy)
-    if isinstance(value, vmajor_graph.LayerCall):
-        call = value
-        query, key, value = vmajor_graph.exchange_inputs(query, key, call)
-        key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-        out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
-        return vmajor_graph.output(call, out, head_count)
-    if isinstance(value, ulysses_collectives.InFlight):
-        exchanger = value.exchanger
-        query, key, value = ulysses_collectives.exchange_inputs(query, key, value)
-        key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-        out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
-        return ulysses_collectives.output(exchanger, out, head_count)
-    if isinstance(value, torch.Tensor):
+    joint_attn_kwargs = None
+    if joint_strategy:
+        query, joint_attn_kwargs = _joined(query, joint_query, joint_key, joint_value, joint_strategy)
+    pending = value
+    if isinstance(pending, vmajor_graph.LayerCall):
+        query, key, value = vmajor_graph.exchange_inputs(query, key, pending)
+    elif isinstance(pending, ulysses_collectives.InFlight):
+        query, key, value = ulysses_collectives.exchange_inputs(query, key, pending)
+    elif isinstance(pending, torch.Tensor):
         # Traced, V's exchange an operator in flight: the exchanges are operators too, not graph breaks.
-        query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, value)
+        query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, pending)
+    else:
+        exchanger, query, key, value, v_major = exchange_inputs(query, key, pending)
+    if attention_kwargs:  # (without them stock's trim returns K and V as they are)
         key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-        out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
-        return torch.ops.cocodiff.v_first_output(out, head_count)
-    exchanger, query, key, value, v_major = exchange_inputs(query, key, value)
-    key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
     out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
+    if isinstance(pending, vmajor_graph.LayerCall):
+        return vmajor_graph.output(pending, out, head_count)
+    if isinstance(pending, ulysses_collectives.InFlight):
+        return ulysses_collectives.output(pending.exchanger, out, head_count)
+    if isinstance(pending, torch.Tensor):
+        return torch.ops.cocodiff.v_first_output(out, head_count)
     return output_exchange(exchanger, out, v_major, head_count)
 
 
 def _joined(query, joint_query, joint_key, joint_value, joint_strategy) -> tuple[torch.Tensor, dict | None]:
     """``USP``'s joint tokens: the query with ``joint_query`` joined, and the joint arguments of its
-    attention function (``joint_key``/``joint_value`` narrowed to this rank's heads); the query and
-    None without a ``joint_strategy``."""
-    if not joint_strategy:
-        return query, None
+    attention function (``joint_key``/``joint_value`` narrowed to this rank's heads)."""
     from xfuser.core.distributed import get_ring_parallel_world_size, get_ulysses_parallel_world_size
 
     world = get_ulysses_parallel_world_size()
@@ -482,7 +480,7 @@ def fallback_reason(
     trial's first call). A graph break inside a layer would send the model's whole forward to eager
     (its loop over blocks cannot resume), so only a fall-back breaks it, at the layer's entry.
     """
-    if torch.compiler.is_compiling() and _v_first_in_graph(processor, extra):
+    if torch.compiler.is_dynamo_compiling() and _v_first_in_graph(processor, extra):
         return _stock_step(processor)
     return _decide(processor, extra, inputs)
 
@@ -514,7 +512,10 @@ def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: S
     local = _local_reason(extra)
     # Kept by the job's exchanger, never on the model: a new job agrees again.
     agreed = exchanger.agreed
-    key = (id(processor), tuple([None if t is None else (t.shape, t.dtype) for t in inputs]), local)
+    key = [id(processor), local]  # and the inputs' shapes and dtypes (a loop: a comprehension is a call per layer)
+    for t in inputs:
+        key.append(None if t is None else (t.shape, t.dtype))
+    key = tuple(key)
     if key not in agreed:
         device = next((t.device for t in inputs if t is not None), torch.device("cpu"))
         anyone = any_rank(local is not None, exchanger.group, device)

@@ -220,8 +220,10 @@ def _cache(call: LayerCall, name: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _stacked(exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The destination-major ``[W, n, b, h/W, s, d]`` of ``tensors``, with the values the wire
-    carries (what V-Major compares and keeps)."""
-    return transport.wire_values(ulysses_collectives.stack(exchanger, tensors))
+    carries (what V-Major compares and keeps); counted with the copy it is read back in."""
+    stacked = ulysses_collectives.stack(exchanger, tensors)
+    commstats.traced("count_copy", 2 * stacked.numel() * stacked.element_size())
+    return transport.wire_values(stacked)
 
 
 class _InFlight:
@@ -284,7 +286,7 @@ def _uneven_all_to_all(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor
     of the same pieces (as the per-call path sends its rows, :func:`.sparse.post_uneven`), waited
     for before the layer goes on: gloo's ``all_to_all_single`` with split sizes posts its pairs
     round after round (docs/benchmarks.md, "The static path's exchange on gloo")."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return functional.uneven_all_to_all(x, sizes, group.group_name)
     out = torch.empty_like(x)
     sparse.post_uneven(list(out.split(sizes)), list(x.split(sizes)), group, "v-major one-phase").wait()

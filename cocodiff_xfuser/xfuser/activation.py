@@ -91,13 +91,15 @@ def patch_runtime_state(rs: types.ModuleType) -> None:
 
 def _routed_all_to_all(original):
     def _sdpa_all_to_all_single(x):
-        if torch.compiler.is_compiling():
-            exchanger = job.exchanger()
-            if ulysses_collectives.applies(exchanger, None):  # traced: functional collectives, routed now
-                return ulysses_collectives.all_to_all(exchanger, x, "usp")
+        exchanger = job.exchanger()
+        if exchanger is not None and ulysses_collectives.applies(exchanger, None):
+            # Functional collectives, traced or not: the same code (routed when traced, or on first use).
+            if commstats.timings_on and not torch.compiler.is_dynamo_compiling():
+                return commstats.timed_exchange(lambda t: ulysses_collectives.all_to_all(exchanger, t, "usp"), x)
+            return ulysses_collectives.all_to_all(exchanger, x, "usp")
+        if torch.compiler.is_dynamo_compiling():
             # A ring, or padded tokens: one opaque operator in the graph, no break; it routes when the graph runs.
             return torch.ops.cocodiff.ulysses_all_to_all(x)
-        exchanger = job.exchanger()
         if exchanger is None:
             commstats.count_exchange("stock", "usp")
             return commstats.timed_exchange(original, x)

@@ -955,12 +955,14 @@ def case_functional() -> None:
         check(same_bits(compiled, flat_all_to_all(x * 2)), f"{spec}: compiled TAPA's functional levels != flat")
         for a2a, expected in (("hierarchical", (levels, groups)), ("flat", ((), (dist.group.WORLD.group_name,))), ("auto", None)):
             exchanger = Exchanger(dist.group.WORLD, Options(topology=spec, a2a=a2a))
-            route = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu")
-            check(expected is None or route == expected, f"{spec} {a2a}: traced route {route}")
+            route = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4)
+            check(expected is None or route[1:3] == expected, f"{spec} {a2a}: traced route {route}")
+            check(route[0] == ("hierarchical" if route[1] else "flat"), f"{spec} {a2a}: route named {route[0]}")
             everyone = [None] * WORLD
-            dist.all_gather_object(everyone, route[0])
+            dist.all_gather_object(everyone, route[1])
             check(len(set(everyone)) == 1, f"{spec} {a2a}: the ranks chose {everyone}")
-            check(exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu") == route, f"{spec} {a2a}: route changed")
+            again = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4)
+            check(again == route, f"{spec} {a2a}: route changed")
 
 
 def case_ring() -> None:

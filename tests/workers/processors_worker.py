@@ -283,6 +283,9 @@ def exchange_modules(run) -> dict[str, set[str]]:
 
     root = os.path.dirname(cocodiff_xfuser.__file__) + os.sep
     exchanger = os.path.join(root, "exchanger.py")
+    # The functional collectives' path (what a graph holds, and eager runs): one call, the whole
+    # exchange but for its wait where it is read, in the same module.
+    functional = (os.path.join(root, "ulysses_collectives.py"), "all_to_all")
     # Keyed by the exchange object itself (kept alive, so that no later one reuses its identity).
     per_exchange: dict[object, set[str]] = {}
     names: dict[object, str] = {}
@@ -291,7 +294,7 @@ def exchange_modules(run) -> dict[str, set[str]]:
     def profile(frame, event, arg) -> None:
         name = frame.f_code.co_filename
         if event == "call" and name.startswith(root):
-            if entry[0] is None and name == exchanger:
+            if entry[0] is None and (name == exchanger or (name, frame.f_code.co_name) == functional):
                 entry[0], entry[1] = frame, set()
             if entry[0] is not None:
                 entry[1].add(name[len(root):])
