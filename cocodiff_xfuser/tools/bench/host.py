@@ -15,11 +15,14 @@ time the device waits for. Per mode (eager, ``--use_torch_compile``), three kind
   drift hits both). A job runs the configuration alone with its point-to-point batches taken out
   (every batch is posted as nothing and completes at once, so gloo's latency is not counted; the
   exchanges move no data, byte messages echo what the rank sends its peer (or arrive as zeros), the
-  time that takes is not counted, and the images mean nothing; the fair flat exchange is forced, so
-  that every exchange is such a batch): the time the timed calls spent in cocodiff's entry points,
-  outermost calls only: the V-First processors' decision at a layer's entry, V's start, Q/K's
-  exchange with V's wait, the output exchange, and, under stock's processors, the routed exchange
-  (``Exchanger.all_to_all``).
+  time that takes is not counted, and the images mean nothing). Eagerly an exact exchange is the
+  default path's, the functional collectives a compiled graph holds, on the flat route (forced: no
+  timed choice), the collective itself stood in for by a copy whose time is not counted, as stock's
+  is below; compiled, the fair flat exchange is forced, so that every exchange left outside the graph
+  is a batch. The time the timed calls spent in cocodiff's entry points, outermost calls only: the
+  V-First processors' decision at a layer's entry, V's start, Q/K's exchange with V's wait, the
+  output exchange, and, under stock's processors, the routed exchange (``Exchanger.all_to_all`` and
+  the functional path's ``all_to_all``).
   ``host_s_per_exchange``: the exchange entry points' time over the exchanges that ran;
   ``host_s_per_layer``: all of it over the attention layer calls (V-First calls, or with stock's
   processors one per input and output exchange pair). V-Major takes the path a GPU takes, its
@@ -124,7 +127,7 @@ def _steps(model: str, steps: int, repeat: int, compiled: bool, out: Path, timeo
 def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float) -> dict:
     """One configuration alone, its batches (stock: its collectives) taken out: its entry points'
     time, summed over the ranks' timed calls, and what they ran."""
-    forced = [] if config == "ulysses" else ["--cocodiff-a2a", "flat-p2p"]
+    forced = [] if config == "ulysses" else ["--cocodiff-a2a", "flat-p2p" if compiled else "flat"]
     argv = ["-m", "cocodiff_xfuser.tools.bench.host", "--worker", "--out", str(out), "--backends", config, "--repeat", str(repeat),
             *forced, *_runner_argv(model, steps, compiled)]
     launcher.torchrun(2, argv, timeout=timeout)
@@ -546,6 +549,25 @@ def _stock_timed(timer: _Timer) -> None:
     setattr(importlib.import_module(collective.__module__), "all_to_all_single", nothing)
 
 
+def _functional_timed(timer: _Timer) -> None:
+    """Eagerly, cocodiff's functional path timed in its entry points (V's start, Q/K's exchange with
+    V's wait, the output's, the routed one), the collective under them stood in for (a copy of the
+    input, not counted)."""
+    from cocodiff_xfuser import ulysses_collectives
+    from cocodiff_xfuser.comm import functional
+
+    for name in ("start_v", "exchange_inputs", "output", "all_to_all"):
+        setattr(ulysses_collectives, name, timer.wrap(getattr(ulysses_collectives, name), "exchange_s"))
+
+    def nothing(x, *args, **kwargs):
+        started = time.perf_counter()
+        out = x.clone()
+        timer.exclude(time.perf_counter() - started)
+        return out
+
+    functional._all_to_all_single = nothing
+
+
 def _worker(argv: list[str]) -> None:
     import torch
 
@@ -558,6 +580,8 @@ def _worker(argv: list[str]) -> None:
     _kernels_stood_in(timer)
     if argv[argv.index("--backends") + 1] == "ulysses":
         _stock_timed(timer)
+    elif "--use_torch_compile" not in argv:
+        _functional_timed(timer)
     ulysses.fallback_reason = timer.wrap(ulysses.fallback_reason, "decision_s")
     for name in ("start_input_exchange", "exchange_inputs", "output_exchange"):
         setattr(ulysses, name, timer.wrap(getattr(ulysses, name), "exchange_s"))
