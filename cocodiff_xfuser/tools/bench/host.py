@@ -528,6 +528,18 @@ def _kernels_stood_in(timer: _Timer) -> None:
 _STOCK_EXCHANGES = ("_combined_qkv_all_to_all", "_ft_c_input_all_to_all", "_ft_c_output_all_to_all")
 
 
+def _stood_in_collective(timer: _Timer):
+    """A functional all-to-all stood in for: a copy of its input, whose time ``timer`` does not count."""
+
+    def nothing(x, *args, **kwargs):
+        started = time.perf_counter()
+        out = x.clone()
+        timer.exclude(time.perf_counter() - started)
+        return out
+
+    return nothing
+
+
 def _stock_timed(timer: _Timer) -> None:
     """Stock's exchange functions timed, the functional all-to-all under them stood in for (a copy
     of the input, not counted)."""
@@ -539,14 +551,7 @@ def _stock_timed(timer: _Timer) -> None:
         function = compat.usp(name)
         setattr(importlib.import_module(function.__module__), name, timer.wrap(function, "exchange_s"))
     collective = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
-
-    def nothing(x, *args, **kwargs):
-        started = time.perf_counter()
-        out = x.clone()
-        timer.exclude(time.perf_counter() - started)
-        return out
-
-    setattr(importlib.import_module(collective.__module__), "all_to_all_single", nothing)
+    setattr(importlib.import_module(collective.__module__), "all_to_all_single", _stood_in_collective(timer))
 
 
 def _functional_timed(timer: _Timer) -> None:
@@ -558,14 +563,7 @@ def _functional_timed(timer: _Timer) -> None:
 
     for name in ("start_v", "exchange_inputs", "output", "all_to_all"):
         setattr(ulysses_collectives, name, timer.wrap(getattr(ulysses_collectives, name), "exchange_s"))
-
-    def nothing(x, *args, **kwargs):
-        started = time.perf_counter()
-        out = x.clone()
-        timer.exclude(time.perf_counter() - started)
-        return out
-
-    functional._all_to_all_single = nothing
+    functional._all_to_all_single = _stood_in_collective(timer)
 
 
 def _worker(argv: list[str]) -> None:
