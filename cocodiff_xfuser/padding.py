@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -59,43 +58,53 @@ class Streams:
         """Tokens per rank (all streams)."""
         return sum(p for _, p in self.lengths) // self.world
 
-    def keep(self, device: torch.device) -> torch.Tensor:
-        """Positions of real tokens in the exchanged sequence ``[rank 0's shard, rank 1's, ...]``."""
-        keep = []
+    def kept(self) -> tuple[tuple[int, int], ...]:
+        """The real tokens of the exchanged sequence ``[rank 0's shard, rank 1's, ...]`` as runs
+        ``(first position, length)``, in order, adjacent runs joined. Slices, not an index tensor:
+        a traced layer then holds static slices, with no index made on the host and copied over."""
+        runs: list[tuple[int, int]] = []
         for rank in range(self.world):
             offset = rank * self.local
             for real, pad in self.lengths:
                 shard = pad // self.world
-                first = rank * shard  # this shard's first position in its stream
-                keep.extend(offset + i for i in range(shard) if first + i < real)
+                count = min(shard, max(0, real - rank * shard))  # a shard's real tokens come first
+                if count and runs and sum(runs[-1]) == offset:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + count)
+                elif count:
+                    runs.append((offset, count))
                 offset += shard
-        return torch.tensor(keep, dtype=torch.long, device=device)
+        return tuple(runs)
 
 
 _streams: Streams | None = None
-_padded_forwards = 0  # forwards that padded tokens so far (what a step clock compares around a call)
+# Whether a forward padded tokens since the last clear (what a step clock checks around a call).
+# Written by traced code, read only on the host: a traced read would guard its value, which
+# changes per forward, and the transformer would be traced again for every call.
+_padded = False
 _uneven_heads: str | None = None  # the loaded model's heads over the degree, when they do not divide
-# The last few padded layouts' kept positions: a service alternating sizes reuses them, and a new
-# size evicts the oldest (a process serving many sizes holds no more).
-_keep_cache: OrderedDict[tuple[Streams, torch.device], torch.Tensor] = OrderedDict()
-_KEEP_CACHE_SIZE = 8
 
 
 @contextlib.contextmanager
 def tokens(streams: Streams) -> Iterator[None]:
     """While a padded forward runs: attention drops the padded keys (:func:`keep_keys`)."""
-    global _streams, _padded_forwards
+    global _streams, _padded
     previous, _streams = _streams, streams
-    _padded_forwards += 1
+    _padded = True
     try:
         yield
     finally:
         _streams = previous
 
 
-def padded_forwards() -> int:
-    """How many forwards padded tokens so far in this process."""
-    return _padded_forwards
+def clear_padded() -> None:
+    """From now on, :func:`tokens_were_padded` says whether a forward padded tokens (host code only)."""
+    global _padded
+    _padded = False
+
+
+def tokens_were_padded() -> bool:
+    """Whether a forward padded tokens since :func:`clear_padded` (host code only)."""
+    return _padded
 
 
 def tokens_padded() -> bool:
@@ -133,15 +142,11 @@ def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, tor
             f"{key.shape[2]} keys instead of {_streams.world * _streams.local}; this model's sequence layout "
             f"is not supported with padding: choose a resolution and text length divisible by the degree"
         )
-    entry = (_streams, key.device)
-    if entry not in _keep_cache:
-        _keep_cache[entry] = _streams.keep(key.device)
-        if len(_keep_cache) > _KEEP_CACHE_SIZE:
-            _keep_cache.popitem(last=False)
-    _keep_cache.move_to_end(entry)
-    index = _keep_cache[entry]
-    key, value = key.index_select(2, index), value.index_select(2, index)
-    commstats.count_copy(2 * key.numel() * key.element_size())
+    runs = _streams.kept()
+    # [b, h/W, W*s, d] -> [b, h/W, real tokens, d]: one copy of each, as an index_select would make
+    key = torch.cat([key.narrow(2, first, count) for first, count in runs], 2)
+    value = torch.cat([value.narrow(2, first, count) for first, count in runs], 2)
+    commstats.traced("count_copy", 2 * key.numel() * key.element_size())
     return key, value
 
 
@@ -162,11 +167,17 @@ def pad_tokens(x: torch.Tensor, to: int, dim: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def count(nbytes: int, heads: int, padded_heads: int) -> None:
-    """Count the padding's share of an exchange of ``nbytes``: ``padded_heads`` heads, of which
-    ``heads`` are real, and the padded tokens of the running forward."""
+def share(heads: int, padded_heads: int) -> float:
+    """The share of an exchange's bytes that is padding: ``padded_heads`` heads, of which ``heads``
+    are real, and the padded tokens of the running forward."""
     real = heads / padded_heads
     if _streams is not None:
         real *= sum(r for r, _ in _streams.lengths) / sum(p for _, p in _streams.lengths)
-    if real < 1:
-        commstats.count_padding(round(nbytes * (1 - real)))
+    return 1 - real
+
+
+def count(nbytes: int, heads: int, padded_heads: int) -> None:
+    """Count the padding's share (:func:`share`) of an exchange of ``nbytes``."""
+    part = share(heads, padded_heads)
+    if part > 0:
+        commstats.count_padding(round(nbytes * part))

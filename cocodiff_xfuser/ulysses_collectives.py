@@ -1,7 +1,7 @@
 """An exact layer's Ulysses exchanges, as a compiled graph holds them and eager runs them: functional collectives.
 
 Traced by torch.compile, a layer whose exchanges are exact, fp8 on every link or fp8 on the slow
-links only (no V-Major, no padded tokens, no ring: :func:`applies`) holds plain traceable torch:
+links only (no V-Major, no ring: :func:`applies`; padded heads and tokens included) holds plain traceable torch:
 each exchange is ``all_to_all_single`` over the Ulysses group, or TAPA's one per topology level
 (:mod:`cocodiff_xfuser.comm.functional`), or fp8-slow's one with split sizes (values to node-mates,
 fp8 rows to other nodes), which inductor schedules and a CUDA graph captures, as it does stock's;
@@ -33,14 +33,14 @@ from cocodiff_xfuser.exchanger import Exchanger
 
 
 def applies(exchanger: Exchanger, layer: object | None) -> bool:
-    """Whether a layer's exchanges are functional collectives: no V-Major ``layer``, no padded tokens
-    in the running forward (whose trim keeps a host-side index), and no ring. Under a ring the graph breaks at the
+    """Whether a layer's exchanges are functional collectives: no V-Major ``layer`` and no ring
+    (padded heads and tokens are static slices and zeros, :mod:`cocodiff_xfuser.padding`). Under a ring the graph breaks at the
     ring attention (in stock too) and dynamo traces the layer's pieces as frames of their own, again
     per block type with dynamic sizes, which a graph cannot name when it is traced: operators there.
     Eagerly the same code runs, but where the exchanger was asked for what only its handles do
     (:attr:`~cocodiff_xfuser.exchanger.Exchanger.handles_only`)."""
     return (layer is None and exchanger.ring_group is None and exchanger.options.compress in ("none", "fp8", "fp8-slow")
-            and not padding.tokens_padded() and (not exchanger.handles_only or torch.compiler.is_dynamo_compiling()))
+            and (not exchanger.handles_only or torch.compiler.is_dynamo_compiling()))
 
 
 def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str, copied: int = 0, widen: bool = True) -> torch.Tensor:
@@ -133,8 +133,9 @@ def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tens
         blocks.append(t.view(b, world, h // world, s, d).transpose(0, 1))
     # stacked at dim 1: [W, n, b, h/W, s, d], destination-major, one copy
     stacked = torch.stack(blocks, 1)
-    if heads < h:
-        commstats.traced("count_padding", round(stacked.numel() * stacked.element_size() * (1 - heads / h)))
+    padded = padding.share(heads, h)
+    if padded > 0:
+        commstats.traced("count_padding", round(stacked.numel() * stacked.element_size() * padded))
     return stacked
 
 
@@ -206,8 +207,9 @@ def output(exchanger: Exchanger, out: torch.Tensor, heads: int) -> torch.Tensor:
     ``heads``: the rest are padding), as xfuser's ``_ft_c_output_all_to_all`` lays it out."""
     world = exchanger.world_size
     b, h, s, d = out.shape
-    if heads < h * world:
-        commstats.traced("count_padding", round(out.numel() * out.element_size() * (1 - heads / (h * world))))
+    padded = padding.share(heads, h * world)
+    if padded > 0:
+        commstats.traced("count_padding", round(out.numel() * out.element_size() * padded))
     # [b, h/W, W*s, d] -> [W*s, b, h/W, d]: token block j for group rank j
     blocks = out.permute(2, 0, 1, 3).contiguous()
     if commstats.timings_on and not torch.compiler.is_dynamo_compiling():

@@ -27,8 +27,8 @@ def test_keep_lists_the_real_tokens_of_every_shard():
     streams = padding.streams((4, 7), 3)
     assert streams.lengths == ((4, 6), (7, 9)) and streams.local == 5
     # Exchanged order: [text 0-1, image 0-2] [text 2-3, image 3-5] [text 4-5, image 6-8]; pads are
-    # text 4-5 and image 7-8, at positions 10-11 and 13-14 of the last shard.
-    assert streams.keep(torch.device("cpu")).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12]
+    # text 4-5 and image 7-8, at positions 10-11 and 13-14 of the last shard: kept 0-9 and 12.
+    assert streams.kept() == ((0, 10), (12, 1))
     assert padding.streams((6, 9), 3) is None
 
 
@@ -40,17 +40,6 @@ def test_keep_keys_drops_padded_keys_while_a_padded_forward_runs():
         kept, _ = padding.keep_keys(key, key)
         assert kept.flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12]
     assert not padding.tokens_padded()
-
-
-def test_a_service_of_many_sizes_keeps_a_bounded_number_of_layouts():
-    # Each size a request brings pads its own layout; the oldest are let go, the one in use kept.
-    for text in range(1, 3 * padding._KEEP_CACHE_SIZE, 3):
-        streams = padding.streams((text, 7), 3)
-        with padding.tokens(streams):
-            key = torch.zeros(1, 1, 3 * streams.local, 1)
-            padding.keep_keys(key, key)
-        assert len(padding._keep_cache) <= padding._KEEP_CACHE_SIZE
-        assert next(reversed(padding._keep_cache))[0] == streams
 
 
 def test_padded_bytes_are_counted():

@@ -353,7 +353,7 @@ SIZES = ((32, 32), (32, 64), (64, 32), (64, 64), (48, 64), (64, 48))
 def test_a_service_of_many_sizes_holds_its_memory(tmp_path):
     """One job serving 60 requests of 6 sizes with V-Major on (per call and with static shapes)
     ends each round of the 6 sizes within 5% of the resident memory it had after the first round:
-    what cocodiff keeps per size (V-Major's static caches, padding's layouts) is bounded."""
+    what cocodiff keeps per size (V-Major's static caches) is bounded."""
     tiny_models.ensure_fixture("tiny-flux")
     requests = [{"prompt": "a cat", "seed": 1, "height": h, "width": w, "steps": 3} for _ in range(10) for h, w in SIZES]
     (tmp_path / "cases.json").write_text(json.dumps(requests))

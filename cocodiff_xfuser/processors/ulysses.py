@@ -353,8 +353,10 @@ def attention(
     pending = value
     if isinstance(pending, vmajor_graph.LayerCall):
         query, key, value = vmajor_graph.exchange_inputs(query, key, pending)
+        key, value = padding.keep_keys(key, value)  # the running forward's padded tokens, if any
     elif isinstance(pending, ulysses_collectives.InFlight):
         query, key, value = ulysses_collectives.exchange_inputs(query, key, pending)
+        key, value = padding.keep_keys(key, value)
     elif isinstance(pending, torch.Tensor):
         # Traced, V's exchange an operator in flight: the exchanges are operators too, not graph breaks.
         query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, pending)

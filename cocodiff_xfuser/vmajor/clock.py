@@ -211,7 +211,6 @@ class Clock:
         #: The V-First processors on this clock, each called once per transformer call (all of them
         #: count as handed to stock at a stock step, a processor that falls back for its own reason too).
         self.processors = 0
-        self._padded_forwards = 0  # padding's count at the tick: a forward that padded tokens kept V-First
 
     def open(self) -> Call:
         """A pipeline call starts: its own state, nothing carried over from the last."""
@@ -231,7 +230,7 @@ class Clock:
         self._tick(timestep)
         self.phase = self._phase()
         self.to_stock = self.stock_step()
-        self._padded_forwards = padding.padded_forwards()
+        padding.clear_padded()  # a forward that pads tokens keeps V-First at a stock step (settle)
 
     def _tick(self, timestep: Any) -> None:
         call = self.current
@@ -300,7 +299,7 @@ class Clock:
     def settle(self) -> None:
         """After a transformer call: its agreement completed, and its processors' calls counted where
         they ran xfuser's (here, not in the processors: a compiled graph counts nothing)."""
-        if self.to_stock and padding.padded_forwards() == self._padded_forwards:
+        if self.to_stock and not padding.tokens_were_padded():
             commstats.count_fallback(f"v-first: {STOCK_STEP}", self.processors)
         if self.current is not None:
             self.current.settle()

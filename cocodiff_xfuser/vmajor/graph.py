@@ -25,8 +25,8 @@ when the graph is traced (:func:`cocodiff_xfuser.commstats.traced`).
 Scopes, residual dtypes, warm-up, refresh and the first step follow
 :class:`cocodiff_xfuser.settings.VMajorSettings`. Counts that depend on the data (budget,
 threshold) or on the step (schedule) cannot be fixed before a graph is traced without carrying one
-request's measurements into the next: those policies, auto, a ring, fp8 on the wire and padded
-tokens take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`).
+request's measurements into the next: those policies, auto, a ring and fp8 on the wire take the
+per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`).
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ _wait_tensor = compat.torch_private("torch.distributed._functional_collectives",
 
 def applies(exchanger, layer: policy.Layer | None) -> bool:
     """Whether ``layer``'s calls take this path: a Ulysses layer whose group crosses nodes, a count
-    fixed by the settings (top-k), no ring, values exchanged as they are (no fp8), no padded tokens."""
+    fixed by the settings (top-k), no ring, values exchanged as they are (no fp8). Padded tokens are
+    zeros that never change: never selected, and cut from K and V as the exact path cuts them."""
     return (layer is not None and isinstance(layer.settings.rule, TopK) and exchanger.ring_group is None
             and exchanger.options.compress == "none" and exchanger.slow_level is not None
-            and exchanger.slow_level.exists and not padding.tokens_padded())
+            and exchanger.slow_level.exists)
 
 
 class LayerCall:
@@ -156,6 +157,9 @@ def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
     s = tokens // world
     if call.settings.scope != "qkvo" or call.caches is None or s != call.shape[4]:
         return ulysses_collectives.output(exchanger, out, heads)
+    padded = padding.share(heads, local_heads * world)
+    if padded > 0:
+        commstats.traced("count_padding", round(out.numel() * out.element_size() * padded))
     # [b, h/W, W*s, d] -> [W, 1, b, h/W, s, d]: token block j for group rank j
     x = transport.wire_values(out.reshape(b, local_heads, world, s, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
     exchanged = _receive(call, _issue(call, "o", x, "out", by_receiver=True))

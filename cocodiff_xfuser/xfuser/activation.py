@@ -98,7 +98,7 @@ def _routed_all_to_all(original):
                 return commstats.timed_exchange(lambda t: ulysses_collectives.all_to_all(exchanger, t, "usp"), x)
             return ulysses_collectives.all_to_all(exchanger, x, "usp")
         if torch.compiler.is_dynamo_compiling():
-            # A ring, or padded tokens: one opaque operator in the graph, no break; it routes when the graph runs.
+            # A ring: one opaque operator in the graph, no break; it routes when the graph runs.
             return torch.ops.cocodiff.ulysses_all_to_all(x)
         if exchanger is None:
             commstats.count_exchange("stock", "usp")

@@ -72,7 +72,9 @@ def install(timeout_s: float) -> None:
 def _ending_on_collective_failures(previous, timeout_s: float):
     def hook(kind, error, tb):
         text = str(error).lower()
-        if issubclass(kind, RuntimeError) and any(word in text for word in ("gloo", "nccl", "ccl", "c10d", "processgroup")):
+        # A compiler's error names what it traced (c10d's functions, process groups) but failed no exchange.
+        compiler = kind.__module__.startswith(("torch._dynamo", "torch._inductor"))
+        if issubclass(kind, RuntimeError) and not compiler and any(word in text for word in ("gloo", "nccl", "ccl", "c10d", "processgroup")):
             faults.failed_exchange(dist.get_rank() if dist.is_initialized() else -1, "xfuser",
                                    "one of xfuser's own collectives", timeout_s, error)
         previous(kind, error, tb)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import types
 
+import torch
+
 from cocodiff_xfuser import compat, padding
 from cocodiff_xfuser.xfuser import job
 
 logger = logging.getLogger("cocodiff_xfuser")
-_logged: set[padding.Streams] = set()
 
 
 def uneven_heads(transformers, world: int) -> str | None:
@@ -93,18 +94,9 @@ def _padding_forward(original):
                 layout = padding.streams((encoder_hidden_states.shape[1], hidden_states.shape[1]), get_sequence_parallel_world_size())
         if layout is None:
             return original(self, hidden_states, encoder_hidden_states, *args, img_ids=img_ids, txt_ids=txt_ids, **kwargs)
+        if not self.__dict__.get("_cocodiff_padding"):
+            _first_use(self, exchanger, layout)
         (text, text_to), (image, image_to) = layout.lengths
-        if layout not in _logged:
-            _logged.add(layout)
-            logger.info("cocodiff: %d text and %d image tokens padded to %d and %d for ulysses degree %d",
-                        text, image, text_to, image_to, layout.world)
-        if not self.__dict__.get("_cocodiff_padding"):  # V-First may be off: padding needs cocodiff's processors
-            from cocodiff_xfuser.processors import families
-
-            families.install(self, exchanger)
-            # Agreed as where xfuser's model loading installs them (every rank's first padded call is here).
-            families.agree_fused_kernels()
-            self._cocodiff_padding = True
         encoder_hidden_states = padding.pad_tokens(encoder_hidden_states, text_to, 1)
         hidden_states = padding.pad_tokens(hidden_states, image_to, 1)
         if txt_ids is not None:
@@ -118,3 +110,19 @@ def _padding_forward(original):
         return output.__class__(output[0][:, :image], *output[1:])
 
     return forward
+
+
+@torch.compiler.disable  # host work and a collective, once per transformer: never traced
+def _first_use(transformer, exchanger, layout: padding.Streams) -> None:
+    """A transformer's first forward with padded tokens: said (once: what traced code reads of the
+    host's state is guarded, and a set of the sizes seen would trace every size again as it grew),
+    and the transformer given cocodiff's processors, which padding needs (V-First may be off)."""
+    from cocodiff_xfuser.processors import families
+
+    (text, text_to), (image, image_to) = layout.lengths
+    logger.info("cocodiff: %d text and %d image tokens padded to %d and %d for ulysses degree %d (other sizes "
+                "likewise, where the degree does not divide them)", text, image, text_to, image_to, layout.world)
+    families.install(transformer, exchanger)
+    # Agreed as where xfuser's model loading installs them (every rank's first padded call is here).
+    families.agree_fused_kernels()
+    transformer._cocodiff_padding = True

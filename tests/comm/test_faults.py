@@ -146,3 +146,20 @@ def test_a_failed_exchange_is_one_line_that_the_fault_policy_acts_on(monkeypatch
     faults.failed_exchange(0, "o", "tapa", 1.0, RuntimeError("timed out"))
     errors.user_error("cocodiff: bad")
     assert seen[0].startswith("cocodiff: rank 0: exchange 'o' (tapa) did not complete: timed out") and seen[1] == "cocodiff: bad"
+
+
+def test_a_compilers_error_is_not_taken_for_a_failed_collective(monkeypatch):
+    # dynamo's errors name what it traced (c10d, process groups): its traceback, not an exchange's line.
+    import torch._dynamo.exc
+
+    from cocodiff_xfuser.comm import faults
+    from cocodiff_xfuser.xfuser import fault_policy
+
+    lines, shown = [], []
+    monkeypatch.setattr(faults, "_handler", lines.append)
+    hook = fault_policy._ending_on_collective_failures(lambda kind, error, tb: shown.append(kind), 5.0)
+    traced = torch._dynamo.exc.InternalTorchDynamoError("all_gather_object in distributed_c10d: unregistered member of ProcessGroup")
+    hook(type(traced), traced, None)
+    assert lines == [] and shown == [type(traced)]
+    hook(RuntimeError, RuntimeError("[gloo] connection closed by peer"), None)
+    assert len(lines) == 1 and lines[0].startswith("cocodiff: rank -1: exchange 'xfuser'"), lines

@@ -36,11 +36,11 @@ def test_verify_json_reports_bitwise_equality_and_what_ran():
     assert ours["v_first_calls"] == 2 * 4 * 4  # ranks x attention modules x steps
 
 
-#: Resolutions, step counts, guidance on and off, and a batch of 2, served one after another.
+#: Resolutions, step counts, guidance on and off, and a batch of 2, served one after another (each
+#: request is also a fresh job of its own: two requests keep the test inside make test's budget).
 REQUESTS = [
-    {"prompt": "a cat", "seed": 1, "height": 64, "width": 64, "steps": 4},
+    {"prompt": "a cat", "seed": 1, "height": 64, "width": 64, "steps": 4, "batch_size": 2},
     {"prompt": "a dog", "seed": 2, "height": 48, "width": 64, "steps": 6, "guidance_scale": 1.0},
-    {"prompt": "a cow", "seed": 3, "height": 64, "width": 64, "steps": 4, "batch_size": 2},
 ]
 
 
@@ -56,7 +56,7 @@ def test_requests_served_one_after_another_give_a_fresh_jobs_images(tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert [row["request"] for row in report["requests"]] == REQUESTS
     assert all(row["bitwise_equal"] for row in report["requests"]) and report["bitwise_equal"], report["requests"]
-    assert [row["image_shape"][:3] for row in report["requests"]] == [[1, 64, 64], [1, 48, 64], [2, 64, 64]]
+    assert [row["image_shape"][:3] for row in report["requests"]] == [[2, 64, 64], [1, 48, 64]]
     for ran in [report["ran"]] + [row["ran"] for row in report["requests"]]:
         assert ran["v_major_sparse"].get("qk+v", 0) > 0 and ran["exchanges"].get("ring v-major", 0) > 0, ran
         assert not ran["fallbacks"], ran
