@@ -140,6 +140,52 @@ def patch_group_coordinator(gc: types.ModuleType) -> None:
     if not plat.is_cuda:
         compat.target(gc, "synchronize")
         gc.synchronize = plat.synchronize
+        pipeline = compat.target(gc, "PipelineGroupCoordinator")
+        compat.wrap(pipeline, "_communicate_shapes", _unwaited_shape_sends)
+        for name in ("_pipeline_isend", "_pipeline_isend_skip"):
+            compat.wrap(pipeline, name, _kept_sends)
+
+
+# PipeFusion's stages pass activations with point-to-point sends that xfuser 0.7.0 issues as NCCL
+# runs them: it drops a send's handle without waiting (NCCL orders the send on the GPU stream, a
+# dropped gloo send never arrives), and before a tensor's first send it sends its shape and waits
+# for that (NCCL completes a send this small before its receiver asks for it, and the next stage
+# receives the tensor in flight first and asks for the new shape after; a gloo send completes only
+# once received, so both stages waited for each other). On gloo, each send is kept until it
+# completes and shapes are sent without waiting: the messages, their groups and their order stay
+# xfuser's.
+
+
+def _keep(coordinator, work, tensor) -> None:
+    kept = [(w, t) for w, t in coordinator.__dict__.get("_cocodiff_sends", ()) if not w.is_completed()]
+    kept.append((work, tensor))
+    coordinator._cocodiff_sends = kept
+
+
+def _on_gloo(coordinator) -> bool:
+    return torch.distributed.get_backend(coordinator.device_group) == "gloo"
+
+
+def _kept_sends(original):
+    def send(self, tensor):
+        work = original(self, tensor)
+        if _on_gloo(self):
+            _keep(self, work, tensor)
+        return work
+
+    return send
+
+
+def _unwaited_shape_sends(original):
+    def _communicate_shapes(self, tensor_send_to_next=None, recv_prev=False):
+        if tensor_send_to_next is None or not _on_gloo(self):
+            return original(self, tensor_send_to_next, recv_prev)
+        for t in (torch.tensor(tensor_send_to_next.dim(), device=self.device, dtype=torch.int64),
+                  torch.tensor(tensor_send_to_next.size(), device=self.device, dtype=torch.int64)):
+            _keep(self, torch.distributed.isend(t, self.next_rank, self.device_group), t)
+        return original(self, None, recv_prev)  # the receives, as xfuser makes them
+
+    return _communicate_shapes
 
 
 def patch_runtime_state(rs: types.ModuleType) -> None:
