@@ -318,7 +318,8 @@ def measured_layouts(planned: dict, model: str, size: int, nodes: int, local: in
     ranked = planned["ranked"]
     informed, _ = bench_e2e.stock_layouts(model, nodes, local)
     picks = [*ranked[:MEASURE_TOP], planned["best_stock"],
-             *(r for lay in informed[1:] for r in ranked if (r["ulysses"], r["ring"], r["cfg"] == 2) == (lay.ulysses, lay.ring, lay.cfg))]
+             *(r for lay in informed[1:] if lay.pipefusion == 1 for r in ranked
+               if (r["ulysses"], r["ring"], r["cfg"] == 2) == (lay.ulysses, lay.ring, lay.cfg))]
     layouts = []
     for row in picks:
         layout = bench_e2e.Layout(row["ulysses"], row["ring"], row["cfg"] == 2)

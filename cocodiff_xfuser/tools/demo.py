@@ -20,9 +20,10 @@ TIMEOUT_S = 900.0
 #: and states it: its floor, with unlimited links, runs too): where cocodiff is meant to act.
 CLUSTER = "aurora-like"
 CLUSTER_PARAMS = {"tile_nic_share_bps": 1e7}
-#: What it runs (stock Ulysses over all ranks always runs): the layout xDiT advises across nodes,
-#: and cocodiff's lossless (with stock's processors, and with V-First) and lossy stacks.
-CLUSTER_CONFIGS = ("stock U2xR2", "tapa U4", "tapa+vfirst U4", "tapa+vfirst+vmajor U4")
+#: What it runs (stock Ulysses over all ranks always runs): the layouts xDiT advises across nodes
+#: (Ring, and PipeFusion: lossy), and cocodiff's lossless (with stock's processors, and with V-First)
+#: and lossy stacks.
+CLUSTER_CONFIGS = ("stock U2xR2", "stock U2xPF2", "tapa U4", "tapa+vfirst U4", "tapa+vfirst+vmajor U4")
 #: Timed calls per configuration, after a warm-up (their median).
 CLUSTER_REPEAT = 3
 CLUSTER_COMMAND = (f"sudo .venv/bin/cocodiff bench e2e --fabric {CLUSTER} --model {digits.NAME} --size {digits.SIZE} "
@@ -63,17 +64,25 @@ def main(args) -> int:
 
 
 def cluster_summary(report: dict) -> str:
-    """The best stock layout, cocodiff's fastest lossless and lossy configurations, side by side."""
+    """The best stock layout (PipeFusion included) and the best lossless one, stock PipeFusion, and
+    cocodiff's fastest lossless and lossy configurations, side by side."""
     rows = report["configs"]
     best = next(c for c in rows if c["name"] == report["best_stock"])
+    lossless = next(c for c in rows if c["name"] == report["best_lossless_stock"])
     picks = [("best stock layout", best),
+             *(("best lossless stock layout", c) for c in rows if c is lossless and c is not best),
+             *(("stock, lossy (PipeFusion)", c) for c in rows if c["stock"] and c["lossy"] and c is not best),
              ("cocodiff, lossless", min((c for c in rows if not c["stock"] and not c["lossy"]), key=lambda c: c["step_s"])),
-             ("cocodiff, lossy (V-Major)", min((c for c in rows if c["lossy"]), key=lambda c: c["step_s"]))]
+             ("cocodiff, lossy (V-Major)", min((c for c in rows if c["lossy"] and not c["stock"]), key=lambda c: c["step_s"]))]
     lines = [f"  the links add {best['links_share']:.0%} of the best stock layout's step ({best['name']}: "
-             f"{best['step_s'] * 1e3:.1f} ms, {best['floor_step_s'] * 1e3:.1f} ms with unlimited links)",
-             f"  {'':<26} {'configuration':<24} {'ms/step':>8} {'vs best stock':>13} {'PSNR dB':>8} {'slow-link KiB/step':>18}"]
+             f"{best['step_s'] * 1e3:.1f} ms, {best['floor_step_s'] * 1e3:.1f} ms with unlimited links)"
+             + ("" if lossless is best else f" and {lossless['links_share']:.0%} of the best lossless one's "
+                f"({lossless['name']}: {lossless['step_s'] * 1e3:.1f} ms, {lossless['floor_step_s'] * 1e3:.1f} ms)"),
+             f"  {'':<26} {'configuration':<24} {'ms/step':>8} {'vs best stock':>13} {'vs best lossless':>16} {'PSNR dB':>8} "
+             f"{'slow-link KiB/step':>18}"]
     for label, c in picks:
         lines.append(f"  {label:<26} {c['name']:<24} {c['step_s'] * 1e3:8.1f} {c['speedup_vs_best_stock']:12.2f}x "
-                     f"{c['psnr_db']:8.1f} {c['slow_link_bytes'] / 1024:18.0f}")
-    lines.append(f"  (PSNR against stock {rows[0]['layout']}; every stock layout is lossless: Ulysses x Ring differs by float rounding)")
+                     f"{c['speedup_vs_best_lossless_stock']:15.2f}x {c['psnr_db']:8.1f} {c['slow_link_bytes'] / 1024:18.0f}")
+    lines.append(f"  (PSNR against stock {rows[0]['layout']}; Ulysses x Ring differs from it by float rounding, PipeFusion by its "
+                 "stale activations)")
     return "\n".join(lines)

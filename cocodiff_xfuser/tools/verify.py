@@ -32,6 +32,7 @@ class Run:
     ulysses_degree: int
     ring_degree: int = 1
     cfg: bool = False  # CFG parallel: the two guidance halves on two rank groups
+    pipefusion: int = 1  # PipeFusion stages (xfuser's --pipefusion_parallel_degree)
     topology: str | None = None
     steps: int | None = None
     height: int | None = None
@@ -42,14 +43,16 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        return self.ulysses_degree * self.ring_degree * (2 if self.cfg else 1)
+        return self.ulysses_degree * self.ring_degree * self.pipefusion * (2 if self.cfg else 1)
 
     def check(self) -> None:
         """Clear errors for bad input, before any process starts (and so before anything can hang)."""
         if self.model not in tiny_models.SPECS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(tiny_models.SPECS)}")
-        if self.ulysses_degree < 1 or self.ring_degree < 1:
-            raise ValueError("--ulysses-degree and --ring-degree must be >= 1")
+        if self.ulysses_degree < 1 or self.ring_degree < 1 or self.pipefusion < 1:
+            raise ValueError("--ulysses-degree, --ring-degree and the PipeFusion degree must be >= 1")
+        if self.pipefusion > 1 and tiny_models.SPECS[self.model].pipefusion_absent:
+            raise ValueError(f"PipeFusion with {self.model}: {tiny_models.SPECS[self.model].pipefusion_absent}")
         self.uneven()
         for name, value in (("--steps", self.steps), ("--size/--height", self.height), ("--width", self.width)):
             if value is not None and value < 1:
@@ -73,6 +76,7 @@ class Run:
             "--ulysses_degree", str(self.ulysses_degree),
             "--ring_degree", str(self.ring_degree),
             *(["--use_cfg_parallel"] if self.cfg else []),
+            *(["--pipefusion_parallel_degree", str(self.pipefusion)] if self.pipefusion > 1 else []),
             "--prompt", PROMPT,
             "--seed", str(self.seed),
         ]

@@ -27,11 +27,6 @@ from cocodiff_xfuser.tools.models import digits
 
 FIXTURE_VERSION = "2"  # 2: transformer weights rounded to bf16 values
 DTYPE = torch.float32  # bitwise comparisons on CPU; bf16 matmuls are slow there
-#: The runners here do not offer PipeFusion (xfuser's own FLUX and SD3 runners do, for the hub's
-#: checkpoints): the FLUX family runs diffusers' pipeline, and stock PipeFusion through xfuser's SD3
-#: pipeline wrapper (U2 x PF2, digits-sd3) stops in its first step on gloo with a point-to-point
-#: size mismatch inside xfuser (docs/benchmarks.md).
-PIPEFUSION = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +63,17 @@ class TinySpec:
         """Whether the pipeline batches two guidance halves that CFG parallel can split (the FLUX
         ones are guidance-distilled or unguided)."""
         return self.pipeline != "FluxPipeline"
+
+    @property
+    def pipefusion_absent(self) -> str | None:
+        """Why stock PipeFusion does not run for this model here, or None: it runs, through xfuser's
+        pipeline wrapper (FLUX's, as xfuser's FLUX runner loads FLUX for PipeFusion)."""
+        if self.pipeline in ("FluxPipeline", "PixArtSigmaPipeline"):
+            return None
+        if self.pipeline == "StableDiffusion3Pipeline":
+            return ("xfuser 0.7.0's SD3 pipeline wrapper stops in its first PipeFusion step (its K/V cache update "
+                    "receives [b, s, h*d] keys for a [b, s, h, d] cache)")
+        return "xfuser 0.7.0 has no PipeFusion pipeline for this model family"
 
 
 def prompt_embeddings(
@@ -534,7 +540,7 @@ def _runner_class(spec: TinySpec, base_model) -> type:
 
     class TinyRunner(base_model.xFuserModel):
         capabilities = base_model.ModelCapabilities(
-            use_cfg_parallel=True, pipefusion_parallel_degree=PIPEFUSION,
+            use_cfg_parallel=True, pipefusion_parallel_degree=spec.pipefusion_absent is None,
             **({} if flux is None else {"supports_step_caching": True, "use_fp8_comms": True}),
         )
         default_input_values = base_model.DefaultInputValues(
@@ -562,9 +568,16 @@ def _runner_class(spec: TinySpec, base_model) -> type:
             module_name, cls_name = spec.wrapper.split(":")
             wrapper = getattr(importlib.import_module(module_name), cls_name)
             absent = _absent_components(path)
+            if spec.pipeline == "FluxPipeline" and self.config.pipefusion_parallel_degree > 1:
+                # As xfuser's FLUX runner loads FLUX for PipeFusion: its pipeline wrapper.
+                from xfuser.model_executor.pipelines.pipeline_flux import xFuserFluxPipeline
+
+                wrapper = xFuserFluxPipeline
             if issubclass(wrapper, xFuserPipelineBaseWrapper):
                 # xfuser's SD3 runner path: the pipeline wrapper converts the transformer itself
-                # (when any parallelism is on) and runs its own denoising loop.
+                # (when any parallelism is on) and runs its own denoising loop. PipeFusion's
+                # receive buffers are made in the runtime's dtype: the model's.
+                self.engine_config.runtime_config.dtype = DTYPE
                 return wrapper.from_pretrained(path, engine_config=self.engine_config, dtype=DTYPE, **absent)
             init_kwargs = spec.wrapper_kwargs(self.config) if spec.wrapper_kwargs else None
             # xfuser's loader materializes transformers in bf16; the tiny models compute in DTYPE.
@@ -583,7 +596,10 @@ def _runner_class(spec: TinySpec, base_model) -> type:
                     max_condition_sequence_length=spec.text_len,
                     split_text_embed_in_sp=get_pipeline_parallel_world_size() == 1,
                 )
-            output = self.pipe(**pipeline_kwargs(spec, input_args, self._make_generator(input_args["seed"])))
+            kwargs = pipeline_kwargs(spec, input_args, self._make_generator(input_args["seed"]))
+            if self.config.pipefusion_parallel_degree > 1:
+                kwargs["max_sequence_length"] = spec.text_len  # where PipeFusion's wrappers split text from image
+            output = self.pipe(**kwargs)
             # xfuser's pipeline wrappers return None on ranks that do not decode.
             images = [] if output is None else _images(spec, output)
             return base_model.DiffusionOutput(images=images, pipe_args=input_args)
