@@ -14,10 +14,11 @@ stages:
    stage 1, ranks every ulysses x ring x CFG layout, stock and with cocodiff;
 4. **measurement**: the planner's best few layouts and the stock layouts an informed user runs
    (Ulysses inside the node x Ring across nodes, Ulysses x CFG across nodes for CFG models), each
-   stock and with cocodiff (and, where the ring crosses nodes, with V-Major on the ring's K/V);
-   the recommendation is the fastest lossless configuration measured
-   (stock where stock wins: the first line of advice says so), or a lossy one (V-Major) only where
-   ``--min-psnr`` asks for it and its measured PSNR meets it.
+   stock and with cocodiff (and, where the ring crosses nodes, with V-Major on the ring's K/V), and
+   stock Ulysses inside the node x PipeFusion across nodes where the model runs it (lossy: its PSNR
+   against stage 1's stock); the recommendation is the fastest lossless configuration measured
+   (stock where stock wins: the first line of advice says so), or a lossy one (V-Major, PipeFusion)
+   only where ``--min-psnr`` asks for it and its measured PSNR meets it.
 
 Rank 0 reports: a progress bar on stderr, the sections on stdout and, with ``--json``, the report
 as the last line. A failure is one line naming the rank and the reason.
@@ -255,13 +256,13 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
             "predicted_step_s": step, "predicted_comm_s": step - best["compute_s"],
             "predicted_stock_step_s": at_job["stock_step_s"], "predicted_gain": at_job["stock_step_s"] / step,
         }
-    shared = [None if layouts is None else [(lay.ulysses, lay.ring, lay.cfg, v_first) for lay, v_first in layouts]]
+    shared = [None if layouts is None else [(lay, v_first) for lay, v_first in layouts]]
     dist.broadcast_object_list(shared, src=0)
 
     def ring_across_nodes(ulysses: int, ring: int) -> bool:  # ring peers sit a Ulysses group apart
         return ring > 1 and ulysses * ring > world // topo.sizes[0]
 
-    runs = sum(3 if ring_across_nodes(u, r) else 2 for u, r, _, _ in shared[0])
+    runs = sum(1 if lay.pipefusion > 1 else 3 if ring_across_nodes(lay.ulysses, lay.ring) else 2 for lay, _ in shared[0])
     progress.begin("measurement", parts=runs * (1 + repeat))
     full = bench_e2e.Layout(world)
     candidates = [measured("stock", full, False, ran["stock"], math.inf, True)]
@@ -269,11 +270,15 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
                             all(v["bitwise_equal"] for v in verdicts[name] if v))
                    for name in ("tapa", "tapa+vfirst", "tapa+vfirst+vmajor") if any(verdicts[name])]
     runner = ran["stock"]["runner"]
-    for ulysses, ring, cfg, v_first in shared[0]:
-        layout = bench_e2e.Layout(ulysses, ring, cfg)
+    for layout, v_first in shared[0]:
+        ulysses, ring = layout.ulysses, layout.ring
         destroy_model_parallel()  # xfuser builds its groups again for each layout's degrees
         args = generate.runner_args(layout.run(run).runner_argv())
         stock_run = timed({**args, **generate.VARIANTS["ulysses"]})
+        if layout.pipefusion > 1:  # lossy (stale activations): its images against stage 1's stock
+            verdict = generate.gather(verdict_against(stock, stock_run["images"]))
+            candidates.append(measured("stock", layout, False, stock_run, min(v["psnr_db"] for v in verdict if v), False))
+            continue
         mine = "tapa+vfirst" if v_first else "tapa"
         coco_run = timed({**args, **generate.VARIANTS[CONFIGS[mine]]})
         runner = coco_run["runner"]
@@ -303,8 +308,8 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
 
 def verdict_against(reference, candidate) -> dict | None:
     """This rank's comparison of ``candidate`` with ``reference`` (None where xfuser's pipeline gave
-    this rank no images: it outputs on the last rank)."""
-    if reference is None:
+    this rank no images for either: it outputs on the last rank)."""
+    if reference is None or candidate is None:
         return None
     verdict = compare(reference, candidate)
     verdict["psnr_db"] = math.inf if verdict["bitwise_equal"] else quality.measure_images(reference, candidate)[1]["psnr_db"]
@@ -314,7 +319,8 @@ def verdict_against(reference, candidate) -> dict | None:
 def measured_layouts(planned: dict, model: str, size: int, nodes: int, local: int) -> list[tuple[bench_e2e.Layout, bool]]:
     """Stage 4's layouts, each with whether cocodiff runs V-First there: the planner's best
     ``MEASURE_TOP``, its best stock layout and the stock layouts an informed user runs, less Ulysses
-    over all ranks (stage 1 measured it) and layouts stock cannot split."""
+    over all ranks (stage 1 measured it) and layouts stock cannot split. PipeFusion's (stock only:
+    V-First steps aside there) come last."""
     ranked = planned["ranked"]
     informed, _ = bench_e2e.stock_layouts(model, nodes, local)
     picks = [*ranked[:MEASURE_TOP], planned["best_stock"],
@@ -327,7 +333,8 @@ def measured_layouts(planned: dict, model: str, size: int, nodes: int, local: in
             continue
         if tiny_models.uneven(model, layout.ulysses, layout.ring, size, size) is None:
             layouts.append((layout, row["v_first"]))
-    return layouts
+    piped = [lay for lay in informed if lay.pipefusion > 1 and tiny_models.uneven(model, lay.ulysses, 1, size, size) is None]
+    return layouts + [(lay, False) for lay in piped]
 
 
 def candidate(mechanism: str, layout: "bench_e2e.Layout", v_first: bool, step_s: float, psnr_db: float, exact: bool,
@@ -338,7 +345,8 @@ def candidate(mechanism: str, layout: "bench_e2e.Layout", v_first: bool, step_s:
     stock = mechanism == "stock"
     flags = layout.flags() + ("" if stock else " --sp-backend cocodiff" + (" --cocodiff-v-first" if v_first else "")
                               + (" --cocodiff-v-major on" if mechanism in LOSSY else ""))
-    return {"name": f"{mechanism} {layout.name}", "layout": layout.name, "stock": stock, "lossy": mechanism in LOSSY,
+    return {"name": f"{mechanism} {layout.name}", "layout": layout.name, "stock": stock,
+            "lossy": mechanism in LOSSY or layout.pipefusion > 1,
             "flags": flags, "step_s": step_s, "psnr_db": psnr_db, "exact": exact, "spread": spread, "idle": idle}
 
 
@@ -352,17 +360,22 @@ def noise(candidates: list[dict]) -> float:
 
 
 def recommend(candidates: list[dict], min_psnr: float | None) -> dict:
-    """The fastest lossless candidate (a lossy one only at or above ``min_psnr``), the best stock
-    layout, and the advice's first line. cocodiff is recommended only where it beats the best stock
-    layout by more than the noise; an idle cocodiff run is never a candidate."""
-    stock = min((c for c in candidates if c["stock"]), key=lambda c: c["step_s"])
+    """The fastest lossless candidate (a lossy one, V-Major or stock PipeFusion, only at or above
+    ``min_psnr``), the best stock layout under the same rule, and the advice's first line. cocodiff
+    is recommended only where it beats that stock layout by more than the noise; an idle cocodiff run
+    is never a candidate."""
+
+    def allowed(c: dict) -> bool:
+        return (c["exact"] and not c["lossy"]) or (c["lossy"] and min_psnr is not None and c["psnr_db"] >= min_psnr)
+
+    stock = min((c for c in candidates if c["stock"] and allowed(c)), key=lambda c: c["step_s"])
     margin = noise(candidates)
-    coco = [c for c in candidates if not c["stock"] and not c["idle"]
-            and ((c["exact"] and not c["lossy"]) or (min_psnr is not None and c["psnr_db"] >= min_psnr))]
+    coco = [c for c in candidates if not c["stock"] and not c["idle"] and allowed(c)]
     best = min(coco, key=lambda c: c["step_s"], default=None)
     chosen = best if best is not None and stock["step_s"] / best["step_s"] - 1.0 > margin else stock
     if chosen["stock"]:
         advice = (f"run stock: {chosen['name']} is the fastest here"
+                  + (f" ({chosen['psnr_db']:.1f} dB PSNR vs stock {candidates[0]['layout']})" if chosen["lossy"] else "")
                   + ("" if best is None else f"; cocodiff's best ({best['name']}) takes {best['step_s'] / chosen['step_s']:.2f}x its step")
                   + (f", a tie within {margin:.0%} (the noise measured here)" if best and best["step_s"] < chosen["step_s"] else ""))
     else:
@@ -409,7 +422,8 @@ def format_report(r: dict) -> str:
     lines.append("measured layouts, stock and with cocodiff (exact: bitwise equal to the same stock layout; idle: cocodiff "
                  f"exchanged nothing there; noise {r['noise']:.0%}):")
     for c in sorted(r["candidates"], key=lambda c: c["step_s"]):
-        what = "stock" if c["stock"] else ("idle" if c["idle"] else "exact" if c["exact"] else f"{c['psnr_db']:.1f} dB")
+        what = ("idle" if c["idle"] else "exact" if c["exact"] else f"{c['psnr_db']:.1f} dB") if not c["stock"] else (
+            f"stock, {c['psnr_db']:.1f} dB" if c["lossy"] else "stock")
         lines.append(f"  {c['name']:<28} {c['step_s'] * 1e3:8.1f} ms  {c['step_s'] and r['best_stock_step_s'] / c['step_s']:5.2f}x "
                      f"best stock  {what:<8} {c['flags']}")
     lines.append(f"  recommended: {r['recommended_flags']} ({r['recommended_step_s'] * 1e3:.1f} ms per step; best stock "

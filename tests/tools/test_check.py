@@ -125,6 +125,28 @@ def test_it_measures_the_planners_best_and_the_informed_users_layouts():
     assert "U4" not in names and {"U2xR2", "U2xCFG2"} <= set(names) and len(names) == len(set(names))
 
 
+def test_stock_pipefusion_is_lossy_and_counts_only_at_the_users_psnr_target():
+    u4, u2r2, u2pf2 = e2e.Layout(4), e2e.Layout(2, ring=2), e2e.Layout(2, pipefusion=2)
+    measured = [_candidate("stock", u4, 0.2), _candidate("stock", u2r2, 0.1), check.candidate("stock", u2pf2, False, 0.05, 45.0, False),
+                _candidate("tapa+vfirst+vmajor", u4, 0.07, 42.0, False)]
+    assert measured[2]["lossy"] and measured[2]["flags"].endswith("--pipefusion_parallel_degree 2")
+    rec = check.recommend(measured, None)  # lossless only: PipeFusion is not the best stock layout then
+    assert rec["best_stock"] == rec["recommended"] == "stock U2xR2"
+    rec = check.recommend(measured, 40.0)
+    assert rec["best_stock"] == rec["recommended"] == "stock U2xPF2"
+    assert rec["advice"] == ("run stock: stock U2xPF2 is the fastest here (45.0 dB PSNR vs stock U4); cocodiff's best "
+                             "(tapa+vfirst+vmajor U4) takes 1.40x its step")
+    assert check.recommend(measured, 46.0)["recommended"] == "stock U2xR2"
+
+
+def test_it_measures_stock_pipefusion_where_the_model_runs_it():
+    planned = plan.plan("digits-flux", 64, cluster="rail", nodes=2, local=2, steps=4)
+    layouts = check.measured_layouts(planned, "digits-flux", 64, 2, 2)
+    assert layouts[-1] == (e2e.Layout(2, pipefusion=2), False)
+    sd3 = check.measured_layouts(plan.plan("digits-sd3", 64, cluster="rail", nodes=2, local=2, steps=4), "digits-sd3", 64, 2, 2)
+    assert all(lay.pipefusion == 1 for lay, _ in sd3)
+
+
 @pytest.mark.slow  # check measures layouts: a benchmark run
 @pytest.mark.distributed
 def test_check_started_by_torchrun(tmp_path):
