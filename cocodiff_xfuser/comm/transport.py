@@ -305,8 +305,9 @@ def exchange_chunks(out: torch.Tensor, inp: torch.Tensor, group: Any, what: str)
 
 
 def copy_own(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """The chunk a rank keeps: a local copy, counted."""
-    dst.copy_(src)
+    """The chunk a rank keeps: a local copy, counted; with the values the wire carries, as the
+    stock collective's own chunk has them (it converts the whole input)."""
+    dst.copy_(wire_values(src) if _rounds(src) else src)
     commstats.count_copy(src.numel() * src.element_size())
 
 
