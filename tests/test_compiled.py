@@ -247,6 +247,7 @@ def test_compiled_v_major_holds_functional_collectives_and_no_host_read(generate
         assert rank[1]["frames"] == rank[2]["frames"] and not rank[2]["graph_breaks"], rank
 
 
+@pytest.mark.slow  # two jobs (compiled, eager twin); make test's padded tokens run eagerly (test_padding.py, xfuser/test_hooks.py)
 def test_compiled_padded_tokens_hold_functional_collectives_and_never_recompile(generated):
     # Padded with zeros and cut from K and V by static slices: no operator of cocodiff's and no host
     # read in the graphs, exact or V-Major; no recompile after the first call, whose first forward

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from cocodiff_xfuser import platform
+from cocodiff_xfuser import compat, platform
 from cocodiff_xfuser.xfuser import devices
 
 
@@ -128,9 +128,23 @@ def test_xpu_seeding_and_synchronize_go_to_the_device(fake_xpu):
     rs.device_manual_seed(5)
     gc = types.ModuleType("fake_group_coordinator")
     gc.synchronize = None
+
+    class PipelineGroupCoordinator:  # PipeFusion's sends (the gloo workaround wraps them on hosts without CUDA)
+        def _communicate_shapes(self, tensor_send_to_next=None, recv_prev=False):
+            pass
+
+        def _pipeline_isend(self, tensor):
+            pass
+
+        def _pipeline_isend_skip(self, tensor):
+            pass
+
+    gc.PipelineGroupCoordinator = PipelineGroupCoordinator
     devices.patch_group_coordinator(gc)
     gc.synchronize()
     assert fake_xpu == [("seed", 5), ("synchronize",)]
+    assert all(compat.is_wrapped(getattr(PipelineGroupCoordinator, name)) for name in
+               ("_communicate_shapes", "_pipeline_isend", "_pipeline_isend_skip"))
 
 
 def test_mpiexec_environment_is_adopted():
