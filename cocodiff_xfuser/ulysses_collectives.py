@@ -152,7 +152,7 @@ def start(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...], label: str) -
 def _timed_start(exchanger: Exchanger, stacked: torch.Tensor, label: str, copied: int) -> InFlight:
     """:func:`start` with statistics on (eagerly): timed from here to where it is read (:func:`wait`);
     one that calibrates completes here, its own time measured."""
-    nbytes = stacked.numel() * transport.wire_itemsize(stacked.dtype)
+    nbytes = stacked.numel() * stacked.element_size()  # as the handles and stock count: the data, not the wire
     started = timing.now(stacked.device)
     pending = InFlight(exchanger, all_to_all(exchanger, stacked, label, copied, widen=False), stacked.dtype,
                        (label, nbytes, started, commstats.calibrating(label, nbytes)))
