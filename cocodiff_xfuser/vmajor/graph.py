@@ -277,7 +277,12 @@ def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver:
         pieces += [mask, data] if with_mask else [data]
         if padding_bytes is not None:
             pieces.append(padding_bytes)
-    out = _uneven_all_to_all(torch.cat(pieces), sizes, call.exchanger.group)
+    payload = torch.cat(pieces)
+    if commstats.timings_on and not torch.compiler.is_dynamo_compiling():
+        # Eagerly it blocks: timed as stock's exchange is, over the data it stands for.
+        out = commstats.timed_exchange(lambda _: _uneven_all_to_all(payload, sizes, call.exchanger.group), x)
+    else:
+        out = _uneven_all_to_all(payload, sizes, call.exchanger.group)
     commstats.traced("count_exchange", "v-major one-phase", label, len(call.remote) * piece, len(call.remote) * full)
     if not every:
         commstats.traced("count_v_major_sparse", "qk+v" if name == "qkv" else name)
