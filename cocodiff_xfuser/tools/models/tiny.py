@@ -575,9 +575,9 @@ def _runner_class(spec: TinySpec, base_model) -> type:
                 wrapper = xFuserFluxPipeline
             if issubclass(wrapper, xFuserPipelineBaseWrapper):
                 # xfuser's SD3 runner path: the pipeline wrapper converts the transformer itself
-                # (when any parallelism is on) and runs its own denoising loop. PipeFusion's
-                # receive buffers are made in the runtime's dtype: the model's.
-                self.engine_config.runtime_config.dtype = DTYPE
+                # (when any parallelism is on) and runs its own denoising loop.
+                if self.config.pipefusion_parallel_degree > 1:  # its receive buffers: the runtime's dtype
+                    self.engine_config.runtime_config.dtype = DTYPE
                 return wrapper.from_pretrained(path, engine_config=self.engine_config, dtype=DTYPE, **absent)
             init_kwargs = spec.wrapper_kwargs(self.config) if spec.wrapper_kwargs else None
             # xfuser's loader materializes transformers in bf16; the tiny models compute in DTYPE.
