@@ -189,7 +189,9 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         """One configuration run on every rank (collective): its images on this rank, and its step,
         the spread of its timed calls and its blocked communication, each the slowest rank's."""
         done = generate.run_backend(args, cases, repeat, on_call=progress.tick)
-        comm, images = done["comm"], np.stack([image for case in done["images"] for image in case]) if done["images"] else None
+        # xfuser's pipeline wrappers (SD3's, PipeFusion's) give images on the last rank only: None elsewhere.
+        flat = [image for case in done["images"] for image in case]
+        comm, images = done["comm"], np.stack(flat) if flat else None
         timings = done["timings"]
         median = statistics.median(timings)
         # The slowest rank sets the pace: one reduction; the blocked time is the slowest rank's already.
