@@ -167,17 +167,11 @@ def pad_tokens(x: torch.Tensor, to: int, dim: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
-def share(heads: int, padded_heads: int) -> float:
-    """The share of an exchange's bytes that is padding: ``padded_heads`` heads, of which ``heads``
-    are real, and the padded tokens of the running forward."""
+def count(nbytes: int, heads: int, padded_heads: int) -> None:
+    """Count the padding's share of an exchange of ``nbytes``: ``padded_heads`` heads, of which
+    ``heads`` are real, and the padded tokens of the running forward (in traced code, per graph run)."""
     real = heads / padded_heads
     if _streams is not None:
         real *= sum(r for r, _ in _streams.lengths) / sum(p for _, p in _streams.lengths)
-    return 1 - real
-
-
-def count(nbytes: int, heads: int, padded_heads: int) -> None:
-    """Count the padding's share (:func:`share`) of an exchange of ``nbytes``."""
-    part = share(heads, padded_heads)
-    if part > 0:
-        commstats.count_padding(round(nbytes * part))
+    if real < 1:
+        commstats.traced("count_padding", round(nbytes * (1 - real)))

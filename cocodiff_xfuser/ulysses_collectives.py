@@ -133,9 +133,7 @@ def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tens
         blocks.append(t.view(b, world, h // world, s, d).transpose(0, 1))
     # stacked at dim 1: [W, n, b, h/W, s, d], destination-major, one copy
     stacked = torch.stack(blocks, 1)
-    padded = padding.share(heads, h)
-    if padded > 0:
-        commstats.traced("count_padding", round(stacked.numel() * stacked.element_size() * padded))
+    padding.count(stacked.numel() * stacked.element_size(), heads, h)
     return stacked
 
 
@@ -207,9 +205,7 @@ def output(exchanger: Exchanger, out: torch.Tensor, heads: int) -> torch.Tensor:
     ``heads``: the rest are padding), as xfuser's ``_ft_c_output_all_to_all`` lays it out."""
     world = exchanger.world_size
     b, h, s, d = out.shape
-    padded = padding.share(heads, h * world)
-    if padded > 0:
-        commstats.traced("count_padding", round(out.numel() * out.element_size() * padded))
+    padding.count(out.numel() * out.element_size(), heads, h * world)
     # [b, h/W, W*s, d] -> [W*s, b, h/W, d]: token block j for group rank j
     blocks = out.permute(2, 0, 1, 3).contiguous()
     if commstats.timings_on and not torch.compiler.is_dynamo_compiling():

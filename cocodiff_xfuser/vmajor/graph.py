@@ -157,9 +157,7 @@ def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
     s = tokens // world
     if call.settings.scope != "qkvo" or call.caches is None or s != call.shape[4]:
         return ulysses_collectives.output(exchanger, out, heads)
-    padded = padding.share(heads, local_heads * world)
-    if padded > 0:
-        commstats.traced("count_padding", round(out.numel() * out.element_size() * padded))
+    padding.count(out.numel() * out.element_size(), heads, local_heads * world)
     # [b, h/W, W*s, d] -> [W, 1, b, h/W, s, d]: token block j for group rank j
     x = transport.wire_values(out.reshape(b, local_heads, world, s, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
     exchanged = _receive(call, _issue(call, "o", x, "out", by_receiver=True))
