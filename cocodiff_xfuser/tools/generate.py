@@ -17,6 +17,7 @@ read these.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import statistics
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     from xfuser.core.utils.runner_utils import is_last_process
 
     base = runner_args(runner_argv)
+    if base.get("pipefusion_parallel_degree", 1) > 1:
+        _count_pipeline_sends(base.get("cocodiff_topology"))
     models = base["model"].split(",")
     backends = mine.backends.split(",") if mine.backends else [base["sp_backend"]]
     variants = {**VARIANTS, **(json.loads(mine.variants.read_text()) if mine.variants else {})}
@@ -205,6 +208,36 @@ def main(argv: list[str] | None = None) -> None:
                     (path / "inductor_code.json").write_text(json.dumps(done["inductor_code"]))
     if runner is not None:
         runner.cleanup()
+
+
+def _count_pipeline_sends(spec: str | None) -> None:
+    """Count stock PipeFusion's sends between stages (xfuser's pipeline sends, activations and skip
+    connections) as exchanges, ``pipefusion``, with their bytes on the wire where they cross nodes
+    of the topology ``spec`` (None: ``LOCAL_WORLD_SIZE`` ranks per node): the byte counter
+    cocodiff's exchanges have, for a layout cocodiff does not run (``cocodiff quality``)."""
+    from cocodiff_xfuser import commstats
+    from cocodiff_xfuser.comm import topology, transport
+
+    world = int(os.environ["WORLD_SIZE"])
+    if spec is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        nodes = [rank // local for rank in range(world)]
+    else:
+        found = topology.resolve(spec, world)
+        nodes = [found.coords(rank)[0] for rank in range(world)]
+    coordinator = compat.target(importlib.import_module("xfuser.core.distributed.group_coordinator"),
+                                "PipelineGroupCoordinator")
+
+    def counted(send: Callable, to: str, label: str) -> Callable:
+        def send_counted(self, tensor):
+            crossing = transport.wire_bytes(tensor) if nodes[getattr(self, to)] != nodes[self.rank] else 0
+            commstats.count_exchange("pipefusion", label, slow_link_bytes=crossing, slow_link_bytes_exact=crossing)
+            return send(self, tensor)
+
+        return send_counted
+
+    for name, to, label in (("_pipeline_isend", "next_rank", "stage"), ("_pipeline_isend_skip", "skip_rank", "skip")):
+        setattr(coordinator, name, counted(compat.target(coordinator, name), to, label))
 
 
 def _timed_runs(runner, input_args: dict, repeat: int, sync_dir: Path | None, on_call: Callable[[], None] | None = None):

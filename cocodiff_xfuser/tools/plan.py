@@ -72,6 +72,9 @@ DEFAULT_TFLOPS = 200.0
 V_MAJOR_DEFAULTS_RUN = "quality-digits-flux-vmajor-defaults.json"
 #: V-Major on the ring's K/V: the share of tokens sent, from this shipped quality run at the defaults.
 RING_V_MAJOR_RUN = "quality-digits-flux-u2r2-ring-vmajor.json"
+#: Stock PipeFusion's quality by its stage count: the PipeFusion points of this shipped frontier sweep
+#: (``cocodiff quality --sweep frontier``: the same images, PSNR against stock Ulysses).
+PIPEFUSION_RUN = "sweep-frontier-digits-flux.json"
 #: ``cocodiff bench host``'s run whose counts per attention layer (eager: Python calls, torch
 #: operators, V-Major's Triton launches) the planner prices host time from, stock's and cocodiff's.
 HOST_RUN = "host-tiny-flux.json"
@@ -706,6 +709,7 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
     full = Cluster(levels, name=f"{gpu} {nodes}x{gpus_per_node}")
     links = Coeffs(e0=1 / c.a2a_share, source="the all-to-all's share of link rate fitted on xDiT's published runs")
     host = host_costs()
+    pipefusion_quality = pipefusion_measured()
     tflops = g.tflops * c.rate_share(g, mode)
     fixed = c.fixed_s(run)
     rows = []
@@ -714,6 +718,8 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
         runs_stock = spec.heads % layout.ulysses == 0
         if runs_stock:
             rows.append(_gpu_row(layout, "stock", stock, steps, fixed))
+            if layout.pipefusion > 1:  # at its measured quality, where there is one
+                rows[-1]["psnr_db"] = pipefusion_quality.get(layout.pipefusion)
         if layout.ulysses == 1:
             continue  # no Ulysses exchange: cocodiff runs stock's layers
         group = full.subgroup(layout.ulysses)
@@ -740,6 +746,7 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
     best_stock = stock_rows[0] if stock_rows else None
     best = next(r for r in rows if r["validated"] and not r["lossy"])
     best_lossy = next((r for r in rows if r["validated"] and r["lossy"]), None)
+    best_pipefusion = next((r for r in rows if r["backend"] == "stock" and r["pipefusion"] > 1 and r["psnr_db"] is not None), None)
     return {"model": spec.name, "model_source": spec.source, "size": f"{size}x{height}", "frames": frames,
             "steps": steps, "gpu": g.key, "gpu_name": g.name, "mode": mode, "gpus_per_node": gpus_per_node,
             "nodes": nodes, "world": run.world, "levels": full.describe(), "fixed_s": fixed,
@@ -747,6 +754,7 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
                           "--validate`)" if (g.key, "eager") in c.share else
                           f"{g.key} has no published run: {g.like}'s achieved shares of its datasheet figures"),
             "ranked": rows, "best": best, "best_stock": best_stock, "best_lossy": best_lossy,
+            "best_pipefusion": best_pipefusion,
             "speedup_vs_best_stock": best_stock["total_s"] / best["total_s"] if best_stock else None}
 
 
@@ -790,7 +798,8 @@ def _gpu_v_major(run: "gpu_model.Run", layout: "gpu_model.Layout", c: "gpu_model
 
 
 def _gpu_row(layout: "gpu_model.Layout", backend: str, parts: dict, steps: int, fixed: float) -> dict:
-    return {"name": layout.name, "backend": backend, "lossy": False, "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg,
+    # PipeFusion's stale activations make any backend's images lossy.
+    return {"name": layout.name, "backend": backend, "lossy": layout.pipefusion > 1, "psnr_db": None, "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg,
             "pipefusion": layout.pipefusion, "validated": gpu_model.validated(layout), "step_s": parts["step_s"],
             "total_s": steps * parts["step_s"] + fixed,
             "parts": {k: v for k, v in parts.items() if k != "step_s"}}
@@ -928,6 +937,12 @@ def host_costs() -> dict:
             + rows[name]["kernel_launches_per_layer"] * cost["triton_launch_s"] for key, name in HOST_CONFIGS.items()}
 
 
+def pipefusion_measured() -> dict[int, float]:
+    """Stock PipeFusion's PSNR (dB) by stage count, as :data:`PIPEFUSION_RUN` measured it."""
+    points = json.loads((RESULTS_DIR / PIPEFUSION_RUN).read_text())["points"]
+    return {int(p["settings"]["layout"].split("PF")[1]): p["psnr_db"] for p in points if "layout" in p["settings"]}
+
+
 def v_major_defaults() -> dict:
     """The shipped quality run of V-Major at the defaults (:data:`V_MAJOR_DEFAULTS_RUN`)."""
     return json.loads((RESULTS_DIR / V_MAJOR_DEFAULTS_RUN).read_text())
@@ -1046,7 +1061,8 @@ def _print_gpu_plan(rep: dict) -> None:
           f"{'pipe':>6s} {'host':>7s}")
     for r in rep["ranked"]:
         p = r["parts"]
-        mark = "" if r["validated"] else "  (PipeFusion: priced, not validated)"
+        quality = "" if r["psnr_db"] is None else f", {r['psnr_db']:.1f} dB measured"
+        mark = "" if r["validated"] else f"  (PipeFusion: priced, not validated{quality})"
         mark = "  <- best stock layout" if r is rep["best_stock"] else mark
         print(f"{r['name']:10s} {r['backend']:8s} {r['step_s'] * 1e3:9.1f} {r['total_s']:8.2f} {p['compute_s'] * 1e3:8.1f} "
               f"{p['ulysses_s'] * 1e3:8.2f} {p['ring_s'] * 1e3:7.2f} {p['pipefusion_s'] * 1e3:6.2f} {p['host_s'] * 1e3:7.1f}{mark}")

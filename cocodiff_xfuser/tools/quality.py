@@ -15,6 +15,7 @@ image, and the share labelled as its prompt's digit is reported for the referenc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tempfile
@@ -23,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from cocodiff_xfuser.comm.topology import Topology
 from cocodiff_xfuser.settings import CALIBRATION
 from cocodiff_xfuser.tools import launcher
 from cocodiff_xfuser.tools.fabric import wire
@@ -313,6 +315,11 @@ def _variant(knobs: dict) -> tuple[dict, list[str]]:
     return args, ["--cocodiff-v-major", "on"] + [f"--cocodiff-v-major-{k.replace('_', '-')}={v}" for k, v in knobs.items()]
 
 
+#: What a sweep keeps of each point's report.
+_KEPT = ("psnr_db", "psnr_low_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
+         "slow_link_bytes_saved_fraction", "v_major_active_fraction", "step_s", "reference_step_s")
+
+
 def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: Path, timeout: float = TIMEOUT_S,
                   progress: bool = True, points: dict[str, dict] | None = None, name: str = "v-major") -> dict:
     """Every setting of ``points`` (default: the sweep ``name`` of :data:`SWEEPS`) against stock,
@@ -333,20 +340,48 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
     rows = []
     for name, knobs in points.items():
         report = _report(run, list(run.extra) + _variant(knobs)[1], cases, results["ulysses"], results[name], None)
-        keep = ("psnr_db", "psnr_low_db", "min_psnr_db", "ssim", "ms_ssim", "classifier_agreement", "reference_classifier_agreement",
-                "slow_link_bytes_saved_fraction", "v_major_active_fraction", "step_s", "reference_step_s")
-        rows.append({"name": name, "settings": knobs, **{key: report[key] for key in keep},
+        rows.append({"name": name, "settings": knobs, **{key: report[key] for key in _KEPT},
                      "image_psnr_db": [image["psnr_db"] for image in report["images"]]})
+    not_run = None
+    if sweep == "frontier":
+        not_run = tiny_models.SPECS[run.model].pipefusion_absent
+        pipefusion = pipefusion_run(run)
+        if not_run is None and pipefusion is not None:
+            exact = results[V_FIRST]["ran"]["slow_link_bytes_exact"]
+            rows.append(_pipefusion_point(pipefusion, cases, results["ulysses"], exact, timeout, progress))
     for row in rows:
         row["on_frontier"] = not any(_dominates(other, row) for other in rows)
     summary = {"model": run.model, "ulysses_degree": run.ulysses_degree, "topology": run.topology,
                "cases": len(cases), "steps": results["ulysses"]["steps"], "v_first_step_s": _step_s(results[V_FIRST]),
-               "points": rows}
+               "points": rows, **({"pipefusion_not_run": not_run} if not_run else {})}
     (out / f"sweep-{sweep}-{run.model}.json").write_text(json.dumps(summary, indent=1))
     _plot_sweep(summary, out / f"sweep-{sweep}-{run.model}.png")
     if sweep == "v-major-budget":
         write_calibration(summary, out / CALIBRATION.name)
     return summary
+
+
+def pipefusion_run(run: Run) -> Run | None:
+    """Stock PipeFusion on ``run``'s ranks as xDiT places it where links are slow: a stage per node of
+    ``run``'s topology, under Ulysses inside each node (None on one node)."""
+    nodes = Topology.parse(run.topology).validate(run.world_size).sizes[0]
+    if nodes == 1:
+        return None
+    return dataclasses.replace(run, ulysses_degree=run.world_size // nodes, ring_degree=1, cfg=False, pipefusion=nodes)
+
+
+def _pipefusion_point(run: Run, cases: list, stock: dict, exact: int, timeout: float, progress: bool) -> dict:
+    """A frontier point of stock PipeFusion (``run``): its images against ``stock``'s, its bytes over
+    the slow links (its stages' sends that cross nodes, bf16 on the wire) against ``exact``, the
+    exact Ulysses exchange's of the same cases."""
+    ours = _generate(run, cases, {}, timeout, progress)["ulysses"]
+    layout = f"U{run.ulysses_degree}xPF{run.pipefusion}"
+    report = _report(run, [f"--ulysses_degree={run.ulysses_degree}", f"--pipefusion_parallel_degree={run.pipefusion}"],
+                     cases, stock, ours, None)
+    sent = ours["ran"]["slow_link_bytes"]
+    report["slow_link_bytes_saved_fraction"] = 1 - sent / exact if exact else None
+    return {"name": f"stock PipeFusion {layout}", "settings": {"layout": layout}, **{key: report[key] for key in _KEPT},
+            "slow_link_bytes": sent, "image_psnr_db": [image["psnr_db"] for image in report["images"]]}
 
 
 def _dominates(a: dict, b: dict) -> bool:
@@ -386,7 +421,7 @@ def _plot_sweep(summary: dict, path: Path) -> None:
         saved = 100 * (row["slow_link_bytes_saved_fraction"] or 0.0)
         psnr = min(row["psnr_db"], 80.0)
         peer = row["settings"].get("compress") or row["settings"].get("fraction") == 1.0
-        marker = "D" if peer else "s" if "scope v" in row["name"] else ("^" if row["name"].startswith("top-k") else "o")
+        marker = "*" if "layout" in row["settings"] else "D" if peer else "s" if "scope v" in row["name"] else ("^" if row["name"].startswith("top-k") else "o")
         for ax, y in ((axes[0], psnr), (axes[1], row["classifier_agreement"])):
             if y is None:
                 continue

@@ -41,6 +41,45 @@ def test_float32_payloads_cross_as_bf16_and_are_counted_so(monkeypatch):
     assert transport.wire_values(x) is x and transport.wire_bytes(x) == 8
 
 
+class _Sent:
+    """A point-to-point handle: complete, its buffer filled with what a peer sent."""
+
+    def __init__(self, buffer: torch.Tensor, sent: torch.Tensor) -> None:
+        self.buffer, self.sent = buffer, sent
+
+    def wait(self) -> bool:
+        self.buffer.copy_(self.sent)
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@pytest.mark.unit
+def test_pipefusion_activations_cross_as_bf16_and_arrive_widened():
+    """xfuser's pipeline sends narrowed to the wire's dtype, and its receives widened when waited for:
+    what a float32 stage receives is the bf16 of what the previous stage sent; shapes (int64) pass as they are."""
+    sent = []
+
+    def send(self, tensor):
+        sent.append(tensor)
+        return _Sent(tensor, tensor)
+
+    def receive(self, tensor):
+        return _Sent(tensor, sent[-1])
+
+    x = torch.tensor([1.0 + 2**-10, 3.0], dtype=torch.float32)
+    wire._send_on_wire(send, torch.bfloat16)(None, x)
+    assert sent[-1].dtype == torch.bfloat16
+    into = torch.zeros(2, dtype=torch.float32)
+    work = wire._receive_on_wire(receive, torch.bfloat16)(None, into)
+    assert into.tolist() == [0.0, 0.0] and work.is_completed()
+    assert work.wait() and into.tolist() == [1.0, 3.0] and into.dtype == torch.float32
+    shape = torch.tensor([2, 3], dtype=torch.int64)
+    wire._send_on_wire(send, torch.bfloat16)(None, shape)
+    assert sent[-1] is shape
+
+
 def _generate(layout: str, out: Path) -> Path:
     ulysses, ring, topology, flags = LAYOUTS[layout]
     run = Run(model=MODELS[0], ulysses_degree=ulysses, ring_degree=ring, topology=topology, seed=3, steps=3, extra=flags)

@@ -85,11 +85,15 @@ def test_the_map_writes_a_png_and_its_json(tmp_path, capsys):
         best = cell["best"]
         assert cell["speedup_vs_best_stock"] == pytest.approx(cell["best_stock"]["total_s"] / best["total_s"])
         assert cell["speedup_vs_best_stock"] >= 1 - 1e-9 and best.get("psnr_db", 99) >= report["min_psnr_db"]
-    # Within one node nothing crosses a slow link: no lossy configuration is chosen there.
+        assert cell["best_stock"].get("psnr_db", 99) >= report["min_psnr_db"]
+        lossless, stock = cell["best_lossless"], cell["best_lossless_stock"]
+        assert "psnr_db" not in lossless and "psnr_db" not in stock and stock["validated"]
+        assert cell["lossless_speedup_vs_best_lossless_stock"] == pytest.approx(stock["total_s"] / lossless["total_s"])
+    # Within one node nothing crosses a slow link: V-Major is not chosen there.
     assert all(c["best"]["backend"] != "cocodiff+v-major" for c in report["cells"] if c["nodes"] == 1)
-    # A PSNR floor above every measured one leaves only lossless configurations.
+    # A PSNR floor above every measured one leaves only lossless configurations, stock's and ours.
     strict = payoff_map.build("flux-dev", 1024, gpu="h100", steps=28, min_psnr=99)
-    assert all(c["best"]["backend"] != "cocodiff+v-major" for c in strict["cells"])
+    assert all("psnr_db" not in c["best"] and c["best_stock"] == c["best_lossless_stock"] for c in strict["cells"])
 
 
 def test_the_map_needs_a_gpu_class(capsys):

@@ -71,6 +71,30 @@ def test_the_frontier_is_the_points_nothing_dominates():
     assert not quality._dominates(fp8, fp8)  # a point does not dominate itself
 
 
+def test_pipefusion_runs_a_stage_per_node_under_ulysses_inside_each():
+    run = quality.Run("digits-flux", 4, topology="2x2", steps=16, extra=("--cocodiff-v-major", "on"))
+    piped = quality.pipefusion_run(run)
+    assert (piped.ulysses_degree, piped.pipefusion, piped.world_size, piped.topology) == (2, 2, 4, "2x2")
+    assert piped.extra == run.extra and piped.steps == 16  # the same images, as the sweep's other points
+    assert quality.pipefusion_run(quality.Run("digits-flux", 4, topology="1x4")) is None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two jobs; the frontier sweep runs the same point
+def test_a_pipefusion_point_is_measured_against_the_exact_exchange(tmp_path):
+    """Stock PipeFusion's frontier point: its stages' sends counted where they cross nodes (bf16 on the
+    wire), against the exact Ulysses exchange's bytes of the same cases, its images against stock U4's."""
+    run = quality.Run("digits-flux", 4, topology="2x2", steps=4)
+    quality.tiny_models.ensure_fixture(run.model)
+    cases = [["digit 3", 0], ["digit 7", 0]]
+    results = quality._generate(run, cases, {quality.V_FIRST: {"sp_backend": "cocodiff", "cocodiff_v_first": True}}, 600, False)
+    exact = results[quality.V_FIRST]["ran"]["slow_link_bytes_exact"]
+    point = quality._pipefusion_point(quality.pipefusion_run(run), cases, results["ulysses"], exact, 600, False)
+    assert point["name"] == "stock PipeFusion U2xPF2" and point["settings"] == {"layout": "U2xPF2"}
+    assert 0 < point["slow_link_bytes"] < exact and point["slow_link_bytes_saved_fraction"] == 1 - point["slow_link_bytes"] / exact
+    assert 20 < point["psnr_db"] < math.inf and len(point["image_psnr_db"]) == 2
+
+
 def _quality_json(tmp_path, prompts: str, *flags: str) -> dict:
     """``cocodiff quality --json`` on digits-flux, one seed per prompt, as a user runs it."""
     cocodiff = os.path.join(os.path.dirname(sys.executable), "cocodiff")
