@@ -88,20 +88,20 @@ def install(transformer: torch.nn.Module, exchanger: Exchanger, v_major: VMajorS
     Each V-First processor keeps the stock processor it replaces (with its settings) and
     delegates to it for whatever it does not reproduce; its exchanges go through ``exchanger``.
     With ``v_major``, each also gets its layer's V-Major state, on one step clock per transformer.
-    Installing again (a new job's exchanger) hands the processors the new exchanger.
+    Installing again in the same job keeps the processors and their V-Major state; a new job's
+    exchanger is handed to the processors, and nothing of the last job's V-Major stays.
     """
     table = replacements()
     ours = tuple(table.values())
     unused = _unused_processors(transformer)
-    installed = 0
     kept: set[str] = set()
+    processors = []
     for module in transformer.modules():
         processor = getattr(module, "processor", None)
         if processor is None or id(module) in unused:
             continue
         if isinstance(processor, ours):
-            processor.exchanger = exchanger
-            installed += 1
+            processors.append(processor)
             continue
         name = type(processor).__name__
         replacement = table.get(name)
@@ -111,10 +111,13 @@ def install(transformer: torch.nn.Module, exchanger: Exchanger, v_major: VMajorS
         if not getattr(replacement, "accepts", lambda _: True)(processor):
             continue  # no Ulysses exchange in this module (e.g. Wan's cross-attention)
         module.processor = replacement(processor)
-        module.processor.exchanger = exchanger
-        installed += 1
+        processors.append(module.processor)
+    _leave_other_job(transformer, exchanger, processors)
+    for processor in processors:
+        processor.exchanger = exchanger
     if v_major is not None:
-        _attach_v_major(transformer, exchanger, v_major)
+        _attach_v_major(transformer, exchanger, v_major, processors)
+    installed = len(processors)
     logger.info("cocodiff: V-First processors installed in %d attention modules", installed)
     if kept:
         logger.warning("cocodiff: no V-First processor for %s; stock processor kept", ", ".join(sorted(kept)))
@@ -131,18 +134,41 @@ def agree_fused_kernels() -> None:
         fault_policy.end_job(str(e))
 
 
-def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings: VMajorSettings) -> None:
+class _Attached:
+    """V-Major on one transformer for one job (``exchanger``'s): its step clock, the ring's V-Major
+    where the ring crosses nodes, and the hooks that drive them. Kept on the transformer for the
+    job, and dropped, hooks removed, when another job's exchanger is installed there."""
+
+    def __init__(self, exchanger: Exchanger, clock: vmajor_clock.Clock, hooks: list) -> None:
+        self.exchanger, self.clock, self.hooks = exchanger, clock, hooks
+        self.ring: ring.Ring | None = None
+
+
+def _leave_other_job(transformer: torch.nn.Module, exchanger: Exchanger, processors: list) -> None:
+    """Nothing of another job's V-Major stays on ``transformer``: its hooks removed, its processors'
+    layers and clock dropped (V-Major, if on, is attached anew with this job's settings and groups)."""
+    attached = transformer.__dict__.get("_cocodiff_v_major")
+    if attached is None or attached.exchanger is exchanger:
+        return
+    for hook in attached.hooks:
+        hook.remove()
+    del transformer._cocodiff_v_major
+    for processor in processors:
+        processor.v_major = processor.clock = None
+
+
+def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings: VMajorSettings, processors: list) -> None:
     """V-Major on the exchanges of ``transformer`` that cross nodes: each V-First processor's (the
     Ulysses group spans nodes) and the ring's K/V (the ring group does), on one step clock."""
-    clock = transformer.__dict__.get("_cocodiff_clock")
-    if clock is None:
+    attached = transformer.__dict__.get("_cocodiff_v_major")
+    if attached is None:
         # The ring's counts must be known to ring peers in every Ulysses group: agreed over the world.
         group = None if exchanger.layout.clock_spans_world else exchanger.group
         # Auto may hand steps to xfuser's processors, unless heads padded to the degree need ours.
         stock = padding.required() is None
-        clock = transformer._cocodiff_clock = vmajor_clock.attach_clock(transformer, group, settings, stock)
-    ours = tuple(replacements().values())
-    processors = [p for p in (getattr(m, "processor", None) for m in transformer.modules()) if isinstance(p, ours)]
+        clock, hooks = vmajor_clock.attach_clock(transformer, group, settings, stock)
+        attached = transformer._cocodiff_v_major = _Attached(exchanger, clock, hooks)
+    clock = attached.clock
     clock.processors = len(processors)
     for processor in processors:
         processor.clock = clock
@@ -150,26 +176,25 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
             processor.v_major = policy.Layer(clock, settings, exchanger.slow_level.remote)
     if exchanger.slow_level is not None:
         logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
-    if exchanger.ring_remote:
-        if "_cocodiff_ring" not in transformer.__dict__:
-            # The exchanger runs the ring of the transformer being called, and none between calls.
-            transformer.register_forward_pre_hook(_use_ring)
-            transformer.register_forward_hook(_leave_ring)
-        transformer._cocodiff_ring = (exchanger, ring.Ring(clock, settings, exchanger.ring_group, exchanger.ring_remote))
+    if exchanger.ring_remote and attached.ring is None:
+        attached.ring = ring.Ring(clock, settings, exchanger.ring_group, exchanger.ring_remote)
+        # The exchanger runs the ring of the transformer being called, and none between calls.
+        attached.hooks += [transformer.register_forward_pre_hook(_use_ring), transformer.register_forward_hook(_leave_ring)]
         logger.info("cocodiff: V-Major on the ring's K/V across nodes: %s", settings.describe())
 
 
 def clocks(transformers: list[torch.nn.Module]) -> list[vmajor_clock.Clock]:
     """The V-Major clocks of ``transformers`` (none where V-Major is off)."""
-    return [t.__dict__["_cocodiff_clock"] for t in transformers if "_cocodiff_clock" in t.__dict__]
+    return [t.__dict__["_cocodiff_v_major"].clock for t in transformers if "_cocodiff_v_major" in t.__dict__]
 
 
 @torch.compiler.disable
 def _use_ring(transformer: torch.nn.Module, args: tuple) -> None:
-    exchanger, ring_v_major = transformer._cocodiff_ring
-    exchanger.ring_v_major = ring_v_major
+    attached = transformer._cocodiff_v_major
+    attached.exchanger.ring_v_major = attached.ring
 
 
 @torch.compiler.disable
 def _leave_ring(transformer: torch.nn.Module, args: tuple, output: object) -> None:
-    transformer._cocodiff_ring[0].ring_v_major = None
+    transformer._cocodiff_v_major.exchanger.ring_v_major = None
+

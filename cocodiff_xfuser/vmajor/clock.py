@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from cocodiff_xfuser import commstats, padding
 from cocodiff_xfuser.comm import timing, transport
@@ -307,11 +308,11 @@ class Clock:
 
 def attach_clock(
     transformer: torch.nn.Module, group: Any = None, settings: VMajorSettings | None = None, stock: bool = True
-) -> Clock:
+) -> tuple[Clock, list[RemovableHandle]]:
     """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument) and
-    settled after it; ``group``: the Ulysses group of its V-Major layers; ``settings``: theirs (auto,
-    unless ``if_slower: keep``, times its steps against exact ones: V-First's and, with ``stock``,
-    xfuser's processors')."""
+    settled after it, and the two hooks that do it; ``group``: the Ulysses group of its V-Major
+    layers; ``settings``: theirs (auto, unless ``if_slower: keep``, times its steps against exact
+    ones: V-First's and, with ``stock``, xfuser's processors')."""
 
     # Compiled, the hooks run on the host between the transformer's graphs, never traced.
     @torch.compiler.disable
@@ -324,6 +325,6 @@ def attach_clock(
     trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
     arms = ARMS if stock else tuple(arm for arm in ARMS if arm != "stock")
     clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms, settings)
-    transformer.register_forward_pre_hook(before, with_kwargs=True)
-    transformer.register_forward_hook(torch.compiler.disable(lambda module, args, output: clock.settle()))
-    return clock
+    hooks = [transformer.register_forward_pre_hook(before, with_kwargs=True),
+             transformer.register_forward_hook(torch.compiler.disable(lambda module, args, output: clock.settle()))]
+    return clock, hooks

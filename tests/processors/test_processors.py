@@ -82,6 +82,39 @@ def test_install_swaps_known_processors_and_keeps_the_stock_one():
     assert model.attn0.processor is installed and installed.exchanger is second
 
 
+def _job(ring: bool = False):
+    """A stand-in for a job's exchanger whose Ulysses group (else its ring) crosses nodes."""
+    from types import SimpleNamespace
+
+    slow = None if ring else SimpleNamespace(remote=(2, 3))
+    return SimpleNamespace(layout=SimpleNamespace(clock_spans_world=ring), group=None, slow_level=slow,
+                           ring_remote=(1,) if ring else (), ring_group=None, ring_v_major=None)
+
+
+def test_a_new_job_keeps_nothing_of_the_last_ones_v_major():
+    """V-Major's clock, layers and hooks belong to the job that attached them: installing the same
+    job again keeps them, another job's exchanger drops them (and attaches its own settings)."""
+    from cocodiff_xfuser.settings import VMajorSettings
+
+    model = _model(type("xFuserQwenDoubleStreamAttnProcessor", (), {})())
+    first, second, third = _job(), _job(), _job(ring=True)
+    families.install(model, first, VMajorSettings.load())
+    processor = model.attn0.processor
+    clock, layer = processor.clock, processor.v_major
+    assert layer is not None and families.clocks([model]) == [clock]
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1  # the clock's tick and settle
+    families.install(model, first)  # the same job again (padding's processors): its V-Major stays
+    assert processor.clock is clock and processor.v_major is layer and len(model._forward_pre_hooks) == 1
+    families.install(model, second)  # a new job without V-Major
+    assert processor.exchanger is second and processor.clock is None and processor.v_major is None
+    assert families.clocks([model]) == [] and not model._forward_pre_hooks and not model._forward_hooks
+    families.install(model, third, VMajorSettings.load(warmup_steps=2))  # a new job with its own settings, on the ring
+    assert processor.clock is not clock and processor.clock.settings.warmup_steps == 2 and processor.v_major is None
+    assert len(model._forward_pre_hooks) == 2  # the clock's, and the ring's (which exchanger runs it)
+    model._forward_pre_hooks[list(model._forward_pre_hooks)[1]](model, ())
+    assert third.ring_v_major is model._cocodiff_v_major.ring and third.ring_v_major.clock is processor.clock
+
+
 def test_wan_cross_attention_keeps_the_stock_processor():
     from xfuser.model_executor.models.transformers import transformer_wan
 
