@@ -26,6 +26,7 @@ class ModelSpec:
     frames_per_token: int = 0  # video: frames per latent frame (0 = image model)
     flux: bool = False  # FLUX family: uneven text/image tokens only without ring (cocodiff pads them)
     vae: str = ""  # its VAE (what decodes the image once per run), where models share one
+    pipefusion: bool = False  # xfuser 0.7.0's runner takes --pipefusion_parallel_degree for it (tiny: ours)
     source: str = ""
 
     @property
@@ -51,16 +52,16 @@ def layer_flops(spec: ModelSpec, s: float, s_local: float, head_pad: float = 1.0
 
 _DIFFUSERS = "diffusers 0.42.1's defaults for"
 MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
-    ModelSpec("flux-dev", 24, 128, ((57, True),), 512, 16, flux=True, vae="flux", source=(
+    ModelSpec("flux-dev", 24, 128, ((57, True),), 512, 16, flux=True, vae="flux", pipefusion=True, source=(
         "black-forest-labs/FLUX.1-dev transformer/config.json: num_layers 19 + num_single_layers 38, "
         "24 heads x 128; VAE /8, patch 2; max_sequence_length 512; guidance-distilled (no true CFG)")),
     ModelSpec("flux-schnell", 24, 128, ((57, True),), 256, 16, flux=True, vae="flux", source=(
         "black-forest-labs/FLUX.1-schnell: FLUX.1-dev's transformer (19 + 38 blocks, 24 heads x 128); "
         "max_sequence_length 256; timestep-distilled (no CFG)")),
-    ModelSpec("flux2-dev", 48, 128, ((56, True),), 512, 16, flux=True, vae="flux2", source=(
+    ModelSpec("flux2-dev", 48, 128, ((56, True),), 512, 16, flux=True, vae="flux2", pipefusion=True, source=(
         f"{_DIFFUSERS} Flux2Transformer2DModel: num_layers 8 + num_single_layers 48, 48 heads x 128, "
         "patch 1 on the 32-channel VAE /8 latent packed 2x2; 512 text tokens assumed; guidance-distilled")),
-    ModelSpec("sd3.5-large", 38, 64, ((38, True),), 333, 16, cfg=True, stacked_qkv=False, vae="sd3", source=(
+    ModelSpec("sd3.5-large", 38, 64, ((38, True),), 333, 16, cfg=True, stacked_qkv=False, vae="sd3", pipefusion=True, source=(
         "stabilityai/stable-diffusion-3.5-large transformer/config.json: num_layers 38, 38 heads x 64, "
         "patch 2, VAE /8; 77 CLIP + 256 T5 text tokens")),
     ModelSpec("qwen-image", 24, 128, ((60, True),), 256, 16, cfg=True, vae="qwen-image", source=(
@@ -84,10 +85,11 @@ MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
               vae="cogvideox",
               source=f"{_DIFFUSERS} CogVideoXTransformer3DModel: 30 layers, 30 heads x 64, patch 2, 226 text tokens"),
     # The project's tiny models (tools/models/tiny.py, digits.py): fp32, 4 pixels per token side.
-    ModelSpec("tiny-flux", 8, 16, ((4, True),), 32, 4, 4, flux=True, source="tools/models/tiny.py: 2 double + 2 single"),
+    ModelSpec("tiny-flux", 8, 16, ((4, True),), 32, 4, 4, flux=True, pipefusion=True,
+              source="tools/models/tiny.py: 2 double + 2 single"),
     ModelSpec("tiny-sd3", 8, 16, ((2, False), (3, True)), 32, 4, 4, cfg=True, stacked_qkv=False,
               source="tools/models/tiny.py: 3 joint blocks, 2 with a second image-only attention"),
-    ModelSpec("digits-flux", 8, 16, ((6, True),), 16, 4, 4, flux=True,
+    ModelSpec("digits-flux", 8, 16, ((6, True),), 16, 4, 4, flux=True, pipefusion=True,
               source="tools/models/digits.py: 2 double + 4 single"),
     ModelSpec("digits-sd3", 8, 16, ((1, False), (4, True)), 16, 4, 4, cfg=True, stacked_qkv=False,
               source="tools/models/digits.py: 4 joint blocks, the first with a second image-only attention"),

@@ -205,13 +205,14 @@ def total_s(run: Run, layout: Layout, c: Constants) -> float:
 
 def layouts(run: Run, stock: bool = True) -> List[Layout]:
     """Every Ulysses x ring x CFG x PipeFusion factorization of the run's GPUs xDiT runs (stock:
-    Ulysses degrees that divide the heads; PipeFusion stages no more than the layers)."""
+    Ulysses degrees that divide the heads; PipeFusion where xfuser's runner takes it for the model,
+    with no more stages than layers)."""
     out = []
     for C in ((1, 2) if run.model.cfg else (1,)):
         for P in divisors(run.world // C if run.world % C == 0 else 0):
             for U in divisors(run.world // C // P):
                 R = run.world // C // P // U
-                if (stock and run.model.heads % U) or P > run.model.layers:
+                if (stock and run.model.heads % U) or P > run.model.layers or (P > 1 and not run.model.pipefusion):
                     continue
                 out.append(Layout(U, R, C, P))
     return out

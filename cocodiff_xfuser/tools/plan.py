@@ -1069,3 +1069,8 @@ def _print_gpu_plan(rep: dict) -> None:
     best = rep["best"]
     print(f"best: {best['name']} ({best['backend']}), {rep['speedup_vs_best_stock']:.2f}x the best stock layout"
           if rep["best_stock"] else f"best: {best['name']} ({best['backend']})")
+    for lossy in (rep["best_lossy"], rep["best_pipefusion"]):
+        if lossy is not None and rep["best_stock"]:
+            priced = "" if lossy["validated"] else ", priced, not validated"
+            print(f"lossy: {lossy['name']} ({lossy['backend']}), {rep['best_stock']['total_s'] / lossy['total_s']:.2f}x the "
+                  f"best stock layout at {lossy['psnr_db']:.1f} dB (measured on digits-flux{priced})")

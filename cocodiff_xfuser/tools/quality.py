@@ -425,7 +425,7 @@ def _plot_sweep(summary: dict, path: Path) -> None:
         for ax, y in ((axes[0], psnr), (axes[1], row["classifier_agreement"])):
             if y is None:
                 continue
-            ax.plot(saved, y, marker, label=row["name"])
+            ax.plot(saved, y, marker, label=row["name"], **({"color": "black", "markersize": 12} if marker == "*" else {}))
             ax.annotate(row["name"], (saved, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     front = sorted((100 * (r["slow_link_bytes_saved_fraction"] or 0.0), min(r["psnr_db"], 80.0))
                    for r in summary["points"] if r.get("on_frontier"))

@@ -66,6 +66,24 @@ def test_a_stock_layout_needs_ulysses_to_divide_the_heads():
     assert 16 in {lay.ulysses for lay in gpu_model.layouts(run, stock=False)}  # cocodiff pads them
 
 
+def test_pipefusion_is_planned_where_xfusers_runner_takes_it_at_its_measured_quality(capsys):
+    run = lambda model: gpu_model.Run(plan.MODELS[model], 1024, 1024, 1, 28, gpu_model.gpu("h100"), "compiled", 8, 2)  # noqa: E731
+    assert {lay.pipefusion for lay in gpu_model.layouts(run("wan2.1-14b"))} == {1}  # xfuser 0.7.0: USP only
+    assert {lay.pipefusion for lay in gpu_model.layouts(run("flux-dev"))} == {1, 2, 4, 8, 16}
+    rep = plan.plan_gpu("flux-dev", 1024, gpu="h100", mode="compiled", gpus_per_node=8, nodes=2, steps=28, inter_node_gbps=1.25)
+    piped = [r for r in rep["ranked"] if r["pipefusion"] > 1]
+    assert piped and all(r["lossy"] and not r["validated"] for r in piped)
+    measured = plan.pipefusion_measured()  # the shipped frontier sweep's PipeFusion point: 2 stages on 2 nodes
+    assert set(measured) == {2} and 20 < measured[2] < 80
+    assert all(r["psnr_db"] == (measured[2] if r["pipefusion"] == 2 and r["backend"] == "stock" else None) for r in piped)
+    best = rep["best_pipefusion"]
+    assert best["pipefusion"] == 2 and best["backend"] == "stock" and best is min(
+        (r for r in piped if r["psnr_db"] is not None), key=lambda r: r["total_s"])
+    assert not rep["best"]["lossy"] and not rep["best_stock"]["lossy"]  # the lossless ranking leaves PipeFusion out
+    plan._print_gpu_plan(rep)
+    assert f"lossy: {best['name']} (stock)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["--gpu", "x100"], ["--gpu", "h100", "--mode", "fast"]])
 def test_bad_gpu_input_is_one_line_and_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_:

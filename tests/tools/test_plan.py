@@ -328,7 +328,7 @@ def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
     assert "cocodiff_xfuser/configs/dgx-h100.yaml" in names and "cocodiff_xfuser/configs/policies/v-major.yaml" in names
     assert sum(n.startswith("cocodiff_xfuser/results/a2a-") for n in names) == 9
     assert f"cocodiff_xfuser/results/{plan.V_MAJOR_DEFAULTS_RUN}" in names and f"cocodiff_xfuser/results/{plan.HOST_RUN}" in names
-    assert f"cocodiff_xfuser/results/{plan.HOST_COSTS}" in names
+    assert f"cocodiff_xfuser/results/{plan.HOST_COSTS}" in names and f"cocodiff_xfuser/results/{plan.PIPEFUSION_RUN}" in names
     assert sum(n.startswith("cocodiff_xfuser/results/kernels-") for n in names) == 3
     assert "cocodiff_xfuser/results/xdit-published.yaml" in names and "cocodiff_xfuser/configs/gpus/classes.yaml" in names
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
