@@ -264,7 +264,7 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
     def ring_across_nodes(ulysses: int, ring: int) -> bool:  # ring peers sit a Ulysses group apart
         return ring > 1 and ulysses * ring > world // topo.sizes[0]
 
-    runs = sum(1 if lay.pipefusion > 1 else 3 if ring_across_nodes(lay.ulysses, lay.ring) else 2 for lay, _ in shared[0])
+    runs = sum(1 if lay.stale else 3 if ring_across_nodes(lay.ulysses, lay.ring) else 2 for lay, _ in shared[0])
     progress.begin("measurement", parts=runs * (1 + repeat))
     full = bench_e2e.Layout(world)
     candidates = [measured("stock", full, False, ran["stock"], math.inf, True)]
@@ -277,7 +277,7 @@ def job(model: str, size: int, steps: int, repeat: int, topology: str | None, ou
         destroy_model_parallel()  # xfuser builds its groups again for each layout's degrees
         args = generate.runner_args(layout.run(run).runner_argv())
         stock_run = timed({**args, **generate.VARIANTS["ulysses"]})
-        if layout.pipefusion > 1:  # lossy (stale activations): its images against stage 1's stock
+        if layout.stale:  # lossy: its images against stage 1's stock
             verdict = generate.gather(verdict_against(stock, stock_run["images"]))
             candidates.append(measured("stock", layout, False, stock_run, min(v["psnr_db"] for v in verdict if v), False))
             continue
@@ -335,7 +335,7 @@ def measured_layouts(planned: dict, model: str, size: int, nodes: int, local: in
             continue
         if tiny_models.uneven(model, layout.ulysses, layout.ring, size, size) is None:
             layouts.append((layout, row["v_first"]))
-    piped = [lay for lay in informed if lay.pipefusion > 1 and tiny_models.uneven(model, lay.ulysses, 1, size, size) is None]
+    piped = [lay for lay in informed if lay.stale and tiny_models.uneven(model, lay.ulysses, 1, size, size) is None]
     return layouts + [(lay, False) for lay in piped]
 
 
@@ -348,7 +348,7 @@ def candidate(mechanism: str, layout: "bench_e2e.Layout", v_first: bool, step_s:
     flags = layout.flags() + ("" if stock else " --sp-backend cocodiff" + (" --cocodiff-v-first" if v_first else "")
                               + (" --cocodiff-v-major on" if mechanism in LOSSY else ""))
     return {"name": f"{mechanism} {layout.name}", "layout": layout.name, "stock": stock,
-            "lossy": mechanism in LOSSY or layout.pipefusion > 1,
+            "lossy": mechanism in LOSSY or layout.stale,
             "flags": flags, "step_s": step_s, "psnr_db": psnr_db, "exact": exact, "spread": spread, "idle": idle}
 
 

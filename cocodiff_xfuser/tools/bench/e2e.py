@@ -95,6 +95,11 @@ class Layout:
     pipefusion: int = 1
 
     @property
+    def stale(self) -> bool:
+        """PipeFusion's stages work on activations a step old: lossy, whatever the backend."""
+        return self.pipefusion > 1
+
+    @property
     def name(self) -> str:
         return (f"U{self.ulysses}" + (f"xR{self.ring}" if self.ring > 1 else "") + ("xCFG2" if self.cfg else "")
                 + (f"xPF{self.pipefusion}" if self.pipefusion > 1 else ""))
@@ -152,7 +157,7 @@ def configs_for(model: str, fabric_name: str, nodes: int, local: int, mechanisms
     configs += [Config(f"{m} {full.name}", full, MECHANISMS[m], m) for m in mechanisms]
     if ON_EVERY_LAYOUT in mechanisms:  # (V-First steps aside for PipeFusion: there it would be stock)
         configs += [Config(f"{ON_EVERY_LAYOUT} {lay.name}", lay, MECHANISMS[ON_EVERY_LAYOUT], ON_EVERY_LAYOUT)
-                    for lay in layouts[1:] if lay.pipefusion == 1]
+                    for lay in layouts[1:] if not lay.stale]
     # Under Ulysses x Ring the ring's K/V cross the nodes: V-Major runs on them.
     configs += [Config(f"{m} {lay.name}", lay, MECHANISMS[m], m) for lay in layouts[1:] if lay.ring > 1
                 for m in LOSSY if m in mechanisms]
@@ -296,7 +301,7 @@ def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], abs
     stock_un, fair = configs[0].name, next((c.name for c in configs if c.mechanism == "fair-flat"), None)
     stocks = [c.name for c in configs if c.mechanism == "stock"]  # PipeFusion's lossy, the others not
     best = min(stocks, key=lambda name: _seconds(reports[name]))
-    lossless = min((n for n in stocks if by_name[n].layout.pipefusion == 1), key=lambda name: _seconds(reports[name]))
+    lossless = min((n for n in stocks if not by_name[n].layout.stale), key=lambda name: _seconds(reports[name]))
     best_floor = min(stocks, key=lambda name: _seconds(floors[name])) if floors else None
     same_stock = {c.layout: c.name for c in configs if c.mechanism == "stock"}
     rows = []
@@ -313,7 +318,7 @@ def _report(model: str, fabric: Fabric, run: Run, configs: Sequence[Config], abs
         rows.append({
             "name": name, "layout": config.layout.name, "layout_flags": config.layout.flags(),
             "mechanism": config.mechanism, "stock": config.mechanism == "stock",
-            "lossy": config.mechanism in LOSSY or config.layout.pipefusion > 1,
+            "lossy": config.mechanism in LOSSY or config.layout.stale,
             "step_s": step_s,
             "step_s_rounds": [x["seconds"] / steps for x in runs],
             "floor_step_s": floor_s,
