@@ -213,13 +213,13 @@ def main(argv: list[str] | None = None) -> None:
 def _count_pipeline_sends(spec: str | None) -> None:
     """Count stock PipeFusion's sends between stages (xfuser's pipeline sends, activations and skip
     connections) as exchanges, ``pipefusion``, with their bytes on the wire where they cross nodes
-    of the topology ``spec`` (None: ``LOCAL_WORLD_SIZE`` ranks per node): the byte counter
+    of the topology ``spec`` (None or auto: ``LOCAL_WORLD_SIZE`` ranks per node): the byte counter
     cocodiff's exchanges have, for a layout cocodiff does not run (``cocodiff quality``)."""
     from cocodiff_xfuser import commstats
     from cocodiff_xfuser.comm import topology, transport
 
     world = int(os.environ["WORLD_SIZE"])
-    if spec is None:
+    if spec in (None, "", "auto"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         nodes = [rank // local for rank in range(world)]
     else:

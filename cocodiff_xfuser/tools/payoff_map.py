@@ -2,9 +2,10 @@
 
 Over the bandwidth between nodes per GPU (:data:`GBPS`, Gb/s per direction) and the node count
 (:data:`NODES`), each cell is :func:`cocodiff_xfuser.tools.plan.plan_gpu`'s plan of that cluster:
-the best configuration of all (stock, cocodiff lossless, or cocodiff with V-Major where its
-measured quality is at least the PSNR floor, and stock PipeFusion, priced but not validated, there too)
-and its whole run's time against the best stock layout's (PipeFusion among them at the floor). The JSON holds every cell; the PNG colours each by that ratio and names its winner.
+the best configuration of all (stock, cocodiff lossless, or, where their measured quality is at
+least the PSNR floor, cocodiff with V-Major and stock PipeFusion, priced but not validated) and its
+whole run's time against the best stock layout's (PipeFusion among them at the floor). The JSON
+holds every cell; the PNG colours each by that ratio and names its winner.
 """
 
 from __future__ import annotations
@@ -45,15 +46,16 @@ def build(model: str, size: int, *, gpu: str, mode: str = "compiled", gpus_per_n
             "how": ("each cell: cocodiff plan --gpu at that node count and Gb/s per GPU between nodes; the best of "
                     "stock, cocodiff lossless and, where their measured PSNR is at least min_psnr_db, cocodiff with "
                     "V-Major and stock PipeFusion (priced, not validated: xDiT's published runs the constants are "
-                    "fitted on hold none; chosen only at a stage count whose quality was measured), its whole run against the "
-                    "best stock layout's (PipeFusion among them at the floor); beside it, cocodiff lossless against "
-                    "the best lossless stock layout"),
+                    "fitted on hold none; chosen only at a stage count whose quality was measured), its whole run "
+                    "against the best stock layout's (PipeFusion among them at the floor); beside it, cocodiff "
+                    "lossless against the best lossless stock layout"),
             "cells": cells}
 
 
 def _named(row: dict) -> dict:
     return {"layout": row["name"], "backend": row["backend"], "total_s": row["total_s"], "step_s": row["step_s"],
-            "pipefusion": row["pipefusion"], "validated": row["validated"], **({"psnr_db": row["psnr_db"]} if row["lossy"] else {})}
+            "pipefusion": row["pipefusion"], "validated": row["validated"],
+            **({"psnr_db": row["psnr_db"]} if row["lossy"] else {})}
 
 
 def _label(cell: dict) -> str:

@@ -746,7 +746,8 @@ def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, 
     best_stock = stock_rows[0] if stock_rows else None
     best = next(r for r in rows if r["validated"] and not r["lossy"])
     best_lossy = next((r for r in rows if r["validated"] and r["lossy"]), None)
-    best_pipefusion = next((r for r in rows if r["backend"] == "stock" and r["pipefusion"] > 1 and r["psnr_db"] is not None), None)
+    best_pipefusion = next((r for r in rows if r["backend"] == "stock" and r["pipefusion"] > 1 and r["psnr_db"] is not None),
+                           None)
     return {"model": spec.name, "model_source": spec.source, "size": f"{size}x{height}", "frames": frames,
             "steps": steps, "gpu": g.key, "gpu_name": g.name, "mode": mode, "gpus_per_node": gpus_per_node,
             "nodes": nodes, "world": run.world, "levels": full.describe(), "fixed_s": fixed,
@@ -799,8 +800,8 @@ def _gpu_v_major(run: "gpu_model.Run", layout: "gpu_model.Layout", c: "gpu_model
 
 def _gpu_row(layout: "gpu_model.Layout", backend: str, parts: dict, steps: int, fixed: float) -> dict:
     # PipeFusion's stale activations make any backend's images lossy.
-    return {"name": layout.name, "backend": backend, "lossy": layout.pipefusion > 1, "psnr_db": None, "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg,
-            "pipefusion": layout.pipefusion, "validated": gpu_model.validated(layout), "step_s": parts["step_s"],
+    return {"name": layout.name, "backend": backend, "lossy": layout.pipefusion > 1, "psnr_db": None,
+            "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg, "pipefusion": layout.pipefusion, "validated": gpu_model.validated(layout), "step_s": parts["step_s"],
             "total_s": steps * parts["step_s"] + fixed,
             "parts": {k: v for k, v in parts.items() if k != "step_s"}}
 

@@ -421,11 +421,12 @@ def _plot_sweep(summary: dict, path: Path) -> None:
         saved = 100 * (row["slow_link_bytes_saved_fraction"] or 0.0)
         psnr = min(row["psnr_db"], 80.0)
         peer = row["settings"].get("compress") or row["settings"].get("fraction") == 1.0
-        marker = "*" if "layout" in row["settings"] else "D" if peer else "s" if "scope v" in row["name"] else ("^" if row["name"].startswith("top-k") else "o")
+        stock = "layout" in row["settings"]  # stock PipeFusion's point
+        marker = "*" if stock else "D" if peer else "s" if "scope v" in row["name"] else ("^" if row["name"].startswith("top-k") else "o")
         for ax, y in ((axes[0], psnr), (axes[1], row["classifier_agreement"])):
             if y is None:
                 continue
-            ax.plot(saved, y, marker, label=row["name"], **({"color": "black", "markersize": 12} if marker == "*" else {}))
+            ax.plot(saved, y, marker, label=row["name"], **({"color": "black", "markersize": 12} if stock else {}))
             ax.annotate(row["name"], (saved, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     front = sorted((100 * (r["slow_link_bytes_saved_fraction"] or 0.0), min(r["psnr_db"], 80.0))
                    for r in summary["points"] if r.get("on_frontier"))

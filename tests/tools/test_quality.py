@@ -135,5 +135,10 @@ def test_v_major_default_meets_its_quality_and_bytes_target(tmp_path):
     ran = report["ran"]["cocodiff"]
     assert any(name.startswith("v-major") for name in ran["exchanges"]) and ran["fallbacks"] == {}, ran
     assert 0 < report["v_major_active_fraction"] < 1
-    # Every step and layer is counted: 16 steps, 6 attention layers.
-    assert len(ran["v_major"]["per_step"]) == 16 and len(ran["v_major"]["per_layer"]) == 6
+    # Every step and layer is counted: 16 steps, by the static path's step phases (the first, 3 more
+    # warm-up steps whole, 12 sparse), and 6 attention layers.
+    phases = ran["v_major"]["per_step"]
+    assert set(phases) == {"first", "whole", "sparse"} and len(ran["v_major"]["per_layer"]) == 6, phases
+    per_step = phases["first"]["tokens"]
+    assert phases["whole"]["tokens"] == 3 * per_step and phases["sparse"]["tokens"] == 12 * per_step
+    assert phases["sparse"]["active"] < phases["sparse"]["tokens"]
