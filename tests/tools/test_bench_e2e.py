@@ -97,8 +97,12 @@ def test_e2e_smoke_is_lossless_and_complete_with_its_floor():
     vmajor = configs["tapa+vfirst+vmajor U4"]
     assert 0 < vmajor["v_major_active_fraction"] <= 1 and vmajor["psnr_db"] > 20
     assert vmajor["slow_link_bytes"] < configs["tapa+vfirst U4"]["slow_link_bytes"]
+    # On the ring's K/V it ran too; on rail those travel the rails (ring peers share a rail), not the
+    # spine uplinks the slow-link counter reads, so its bytes there are the exact ring's, within the
+    # counters' few hundred bytes of other traffic.
     ring = configs["tapa+vfirst+vmajor U2xR2"]
-    assert ring["slow_link_bytes"] < configs["tapa+vfirst U2xR2"]["slow_link_bytes"], ring
+    assert ring["exchanges_by_algorithm"].get("ring v-major", 0) > 0 and 0 < ring["v_major_active_fraction"] <= 1, ring
+    assert ring["slow_link_bytes"] == pytest.approx(configs["tapa+vfirst U2xR2"]["slow_link_bytes"], rel=0.05), ring
 
 
 def test_the_series_holds_every_stock_layout_a_user_runs():
