@@ -126,10 +126,15 @@ class Exchanger:
         self.ring_v_major = None
         slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
         v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
+        #: Whether the ring's K/V go through this exchanger's host code, compiled or not: V-Major's step
+        #: residuals over the ring peers on other nodes. Else a compiled graph holds torch's own ring (a
+        #: functional all-gather, as stock's graph does), counted when traced (:meth:`count_traced_ring`);
+        #: eagerly the exchanger gathers them (:meth:`ring_rotater`).
+        self.ring_on_host = bool(v_major) and bool(self.ring_remote)
         if not self.layout.slow_share and self.rank == 0:
             # The layout put the slow links outside Ulysses (ring or CFG across nodes): one line for the job.
             idle = "V-Major and fp8-slow have" if self.levels else "TAPA, V-Major and fp8-slow have"
-            across = ("the ring's K/V cross nodes as V-Major's step residuals, CFG as stock" if v_major and self.ring_remote
+            across = ("the ring's K/V cross nodes as V-Major's step residuals, CFG as stock" if self.ring_on_host
                       else "the groups across nodes (ring, CFG) exchange as stock")
             logger.warning("cocodiff: the Ulysses %s stays inside one node (topology %s): %s nothing to do there; %s",
                            self._group_desc, self.topology, idle, across)
@@ -239,8 +244,8 @@ class Exchanger:
                                  decode=lambda packed: compress.unpack_rows(packed, x.dtype), kind="fp8-slow")
 
     # The handles and the buffer pool are Python state that torch.compile cannot trace: these
-    # exchanges run only eagerly, from the processors' entry points that a graph does not trace
-    # (disabled for dynamo), the operators' kernels, and xfuser's routed exchange run eagerly.
+    # exchanges run only eagerly: in an eager job, or between a compiled job's graphs (the V-First
+    # layers that :func:`cocodiff_xfuser.processors.ulysses.in_graph` leaves to the host).
     def start(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data;
         the wire's values: the V-First processors, its callers, round them where V-Major reads them)."""
@@ -364,6 +369,12 @@ class Exchanger:
     def ring_remote(self) -> tuple[int, ...]:
         """The ring ranks on other nodes than this rank's: each receives its K/V over the slow links."""
         return self.layout.ring_remote
+
+    def count_traced_ring(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Count, in traced code, torch's all-gather of ``key`` and ``value`` over the ring (its
+        buffer holds both, flattened), as :meth:`start_ring` counts its own."""
+        exact = (key.numel() + value.numel()) * transport.wire_itemsize(key.dtype) * len(self.ring_remote)
+        commstats.traced("count_exchange", "ring all-gather", "ring", exact, exact)
 
     def ring_rotater(self, group: dist.ProcessGroup, row: int | None = None) -> ring.Rotater:
         """torch's ring-attention rotater for ``group`` (the ring group), its gather started here

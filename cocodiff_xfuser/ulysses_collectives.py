@@ -1,7 +1,7 @@
 """An exact layer's Ulysses exchanges, as a compiled graph holds them and eager runs them: functional collectives.
 
 Traced by torch.compile, a layer whose exchanges are exact, fp8 on every link or fp8 on the slow
-links only (no V-Major, no ring: :func:`applies`; padded heads and tokens included) holds plain traceable torch:
+links only (no V-Major: :func:`applies`; padded heads and tokens included; a ring's K/V as stock's graph holds them) holds plain traceable torch:
 each exchange is ``all_to_all_single`` over the Ulysses group, or TAPA's one per topology level
 (:mod:`cocodiff_xfuser.comm.functional`), or fp8-slow's one with split sizes (values to node-mates,
 fp8 rows to other nodes), which inductor schedules and a CUDA graph captures, as it does stock's;
@@ -33,13 +33,13 @@ from cocodiff_xfuser.exchanger import Exchanger
 
 
 def applies(exchanger: Exchanger, layer: object | None) -> bool:
-    """Whether a layer's exchanges are functional collectives: no V-Major ``layer`` and no ring
-    (padded heads and tokens are static slices and zeros, :mod:`cocodiff_xfuser.padding`). Under a ring the graph breaks at the
-    ring attention (in stock too) and dynamo traces the layer's pieces as frames of their own, again
-    per block type with dynamic sizes, which a graph cannot name when it is traced: operators there.
-    Eagerly the same code runs, but where the exchanger was asked for what only its handles do
+    """Whether a layer's exchanges are functional collectives: no V-Major ``layer`` (padded heads and
+    tokens are static slices and zeros, :mod:`cocodiff_xfuser.padding`; a ring's K/V are torch's,
+    as in stock's graph, or, under V-Major on the ring, run between graphs with the layer's
+    exchanges: :func:`cocodiff_xfuser.processors.ulysses.in_graph`). Eagerly the same code runs, but
+    where the exchanger was asked for what only its handles do
     (:attr:`~cocodiff_xfuser.exchanger.Exchanger.handles_only`)."""
-    return (layer is None and exchanger.ring_group is None and exchanger.options.compress in ("none", "fp8", "fp8-slow")
+    return (layer is None and exchanger.options.compress in ("none", "fp8", "fp8-slow")
             and (not exchanger.handles_only or torch.compiler.is_dynamo_compiling()))
 
 

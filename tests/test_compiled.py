@@ -6,11 +6,11 @@ and after each call (``tools/generate.py``: frames converted, graph breaks by re
 converts a frame again, so "no recompile after the first call" is "as many frames after the
 second call as after the first". An exact layer's exchanges (xfuser's routed one, V-First's) are
 functional collectives of the graph, as stock's are, read in the code inductor generated, and so
-are fp8-slow's and V-Major's with static shapes (top-k); V-Major's other policies' exchanges are
-operators of the graph (no break), decided in the graph, auto's steps included (a
-step's hand-off to stock is one bool the graphs guard: two of them, made in the first call); the only
-graph breaks cocodiff may add are the ring attention's and, under a ring, the V-First processors'
-exchange entry points (disabled for dynamo: their host work runs between graphs).
+are fp8-slow's and V-Major's with static shapes (top-k), a ring's K/V being torch's as in stock's
+graph; no graph holds an operator of cocodiff's. V-Major's other policies and V-Major on the ring run
+their layers' exchanges between graphs: the only graph breaks cocodiff may add are there (V's start,
+and the rest of the layer's attention), decided in the graph, auto's steps included (a step's
+hand-off to stock is one bool the graphs guard: two of them, made in the first call).
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ from workers.inductor_code import exchanges_in_flight, host_work
 pytestmark = pytest.mark.distributed
 
 DISABLED = "Skip calling `torch.compiler.disable()`d function: "
-#: Where a compiled cocodiff layer may break its graph under a ring: V-First's exchange starts and waits
-#: (elsewhere they are operators, decided in the graph), and the ring attention (its K/V exchanges).
-EXCHANGE_POINTS = {"_start_input_exchange", "exchange_inputs", "output_exchange", "_templated_ring_attention"}
+#: Where a compiled cocodiff layer whose exchanges run on the host breaks its graph: V's start, and the
+#: rest of its attention (the ring's K/V included); xfuser's routed exchange and torch's ring attention,
+#: where xfuser's processors run (auto's stock steps) under V-Major on the ring.
+EXCHANGE_POINTS = {"_start", "_attention", "_routed_all_to_all.<locals>.on_host", "_ring_with_tokens.<locals>.on_host"}
+#: The backends whose layers' exchanges all are in the graphs.
+IN_GRAPH = ("cocodiff", "cocodiff+vfirst", "topk", "fp8", "fp8-slow")
 #: V-Major's per-call path (budget: counts the data decides), a sparse step at step 2.
 V_MAJOR = {"sp_backend": "cocodiff", "cocodiff_v_first": True, "cocodiff_v_major": "on", "cocodiff_v_major_policy": "budget",
            "cocodiff_v_major_warmup_steps": 1}
@@ -138,10 +141,8 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
         ours = {r.removeprefix(DISABLED) for r in second["graph_breaks"] if r not in stock_breaks}
         if backend == "cocodiff":  # stock's processors: the exchange is a functional collective of the graph
             assert not ours, ours
-        if JOBS[job][2] == 1:
-            # V-First (exact or V-Major, auto's steps too) decided in the graph, its exchanges operators:
-            # one graph per forward.
-            assert not ours, (ours, rank)
+        if backend in IN_GRAPH:
+            assert not ours, (ours, rank)  # one graph per forward, the ring's K/V included
         assert ours <= EXCHANGE_POINTS, ours
     assert "recompile_limit" not in (out / "stderr.txt").read_text()
     # The path under test ran, compiled.
@@ -167,8 +168,15 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
 TRACED = ("cocodiff", "cocodiff+vfirst", "fp8", "fp8-slow")
 
 
-# Not under a ring: there the graph breaks at the ring attention and the layer's exchanges stay operators.
-@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b in TRACED and spec[2] == 1])
+@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b != "ulysses"])
+def test_compiled_graphs_hold_no_operator_of_cocodiff_and_no_host_read(generated, job, backend):
+    # Whatever runs on the host (V-Major's per-call policies, V-Major on the ring) runs between graphs.
+    out = generated(job)
+    code = json.loads((output_dir(out, tiny_models.SPECS[JOBS[job][0]].model_id, backend) / "inductor_code.json").read_text())
+    assert code and host_work(code) == [], host_work(code)
+
+
+@pytest.mark.parametrize("job, backend", [_case(job, b) for job, spec in JOBS.items() for b in spec[4] if b in TRACED])
 def test_compiled_exact_layers_hold_functional_collectives_with_v_first_in_flight(generated, job, backend):
     # The generated code (FLUX under xDiT's reduce-overhead mode, Wan under the default one, with
     # xDiT's compute/communication overlap passes): no operator of cocodiff's, no host read, every

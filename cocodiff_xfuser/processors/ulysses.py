@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, operators, padding, ulysses_collectives
+from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives
 from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
@@ -29,7 +29,6 @@ from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import graph as vmajor_graph
 from cocodiff_xfuser.vmajor import policy
-from cocodiff_xfuser.xfuser import job
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
@@ -118,12 +117,6 @@ class PendingExchange:
         """Whether this waiting V can travel in the exchange of destination-major Q/K of ``shape``:
         V's shape but for the number of tensors, and ``step`` covers Q/K of that shape."""
         return self._riding is not None and self._riding[0].shape[2:] == shape[2:] and step.covers("qk", self._riding[0])
-
-    def keep_inputs(self) -> None:
-        """Copy what this exchange reads of its inputs after starting (V waiting to ride with Q/K):
-        a compiled graph may reuse an operator's inputs as soon as it returns."""
-        if self._riding is not None:
-            self._riding = (self._riding[0], self._riding[1].clone())
 
     def _carried_by(self, covered: _Covered) -> None:
         """V's rows left with Q/K's exchange ``covered``, which holds V's result."""
@@ -215,117 +208,60 @@ def start_input_exchange(
     value: torch.Tensor,
     *,
     label: str,
-    ahead_of: tuple[torch.Tensor | None, ...],
     layer: policy.Layer | None = None,
-) -> PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | torch.Tensor:
+) -> PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | OnHost:
     """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``exchanger``,
     asynchronously (counted as the call); ``layer``: its V-Major layer.
 
     An exact layer's exchange is a functional collective (:mod:`cocodiff_xfuser.ulysses_collectives`),
     issued here, before Q and K are projected, traced or not; a top-k V-Major layer's likewise
     (:mod:`cocodiff_xfuser.vmajor.graph`). Eagerly, the others take the exchanger's handles. Traced,
-    the others are an operator of the graph, which returns a token for :func:`attention`
-    (the exchange in flight waits in the process's slot). ``ahead_of``: the tensors Q and K are
-    computed from (one, or two with None for a missing second). The operator declares them
-    written, which they are not, so that the graph computes Q and K after it: else inductor's
-    scheduler may move V's projection and exchange next to Q/K's exchange (its reorders for
-    locality and for peak memory, on by default, do), and nothing would hide V's exchange.
-    Eagerly the program's order holds.
+    the others (:func:`in_graph`) start between graphs, on the host: the graph breaks here and at
+    :func:`attention`, and the Q/K projections between run as a graph of their own while V's
+    exchange is in flight.
     """
+    if torch.compiler.is_dynamo_compiling() and not in_graph(exchanger, layer):
+        return OnHost(_start_on_host(exchanger, value, label, layer))
+    return _start(exchanger, value, label, layer)
+
+
+def in_graph(exchanger: Exchanger, layer: policy.Layer | None) -> bool:
+    """Whether a compiled graph holds a V-First layer's exchanges: exact ones, fp8 on the wire and
+    top-k V-Major's (static shapes), unless V-Major runs on the ring's K/V. There the graph breaks at
+    the ring attention and dynamo traces the layer's pieces as frames of their own, with dynamic
+    sizes after the second block type, which an exchange's route cannot be fixed for; and V-Major's
+    other policies choose their counts from the data or the step, which a graph cannot fix when it
+    is traced without carrying one request's measurements into the next."""
+    if exchanger.ring_on_host:
+        return False
+    return vmajor_graph.applies(exchanger, layer) if layer is not None else ulysses_collectives.applies(exchanger, None)
+
+
+class OnHost:
+    """A compiled layer's exchange started between graphs (``pending``, the eager path's), which
+    :func:`attention` finishes between graphs too."""
+
+    def __init__(self, pending: PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall) -> None:
+        self.pending = pending
+
+
+def _start(exchanger: Exchanger, value: torch.Tensor, label: str, layer: policy.Layer | None
+           ) -> PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall:
     if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
         return vmajor_graph.start_v(exchanger, layer, value, label)
     if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
         return ulysses_collectives.start_v(exchanger, value, label)
-    if torch.compiler.is_dynamo_compiling():
-        first, second = (*ahead_of, None)[:2]
-        return torch.ops.cocodiff.v_first_start(value, label, -1 if layer is None else layer.number, first, second)
-    return _start_input_exchange(exchanger, value, label=label, layer=layer)
-
-
-@torch.compiler.disable
-def _start_input_exchange(exchanger, value, *, label, layer) -> PendingExchange:
     commstats.count_v_first_call()  # V's exchange: one per V-First call
     return PendingExchange(exchanger, (value,), label, layer)
 
 
-# A compiled layer's exchanges are operators, which hold no Python objects: V's exchange started by
-# one waits here until Q/K's operator waits for it, and V-Major's step, which covers the output
-# exchange, until the output's operator. One layer at a time per process: a layer ends before the
-# next one starts (a graph that failed mid-layer leaves them, replaced by the next layer's).
-_in_flight: PendingExchange | None = None
-_covering: policy.Step | None = None
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a copy where it views other memory (V-Major's caches): a graph may reuse an
-    operator's output as scratch memory."""
-    return t.clone() if compat.views_another(t) else t
-
-
-def _start_operator(value: torch.Tensor, label: str, layer: int, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
-    """V's input exchange in a compiled graph, started through the job's exchanger (the one the
-    processors were given), under the V-Major layer numbered ``layer`` (-1: none); the token it
-    returns orders Q/K's operator after it. ``first`` and ``second`` are left as they are (declared
-    written: :func:`start_input_exchange`'s ``ahead_of``)."""
-    global _in_flight
-    commstats.count_v_first_call()
-    _in_flight = PendingExchange(job.exchanger(), (value,), label, None if layer < 0 else policy.numbered(layer))
-    _in_flight.keep_inputs()
-    return value.new_empty(0)
-
-
-def _start_fake(value: torch.Tensor, label: str, layer: int, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
-    return value.new_empty(0)
-
-
-operators.define("v_first_start", _start_operator, _start_fake, mutates=("first", "second"))
-
-
-def _take_in_flight() -> PendingExchange:
-    global _in_flight
-    pending, _in_flight = _in_flight, None
-    if pending is None:
-        raise RuntimeError("cocodiff: a compiled layer waits for V's exchange, but none was started")
-    return pending
-
-
-def _inputs_operator(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q's and K's exchanges and the wait for V (:func:`exchange_inputs`) in a compiled graph: head-sharded Q, K, V."""
-    global _covering
-    _, query, key, value, _covering = exchange_inputs(query, key, _take_in_flight())
-    return tuple(_owned(t.contiguous()) for t in (query, key, value))
-
-
-def _inputs_fake(query: torch.Tensor, key: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    world = job.exchanger().world_size
-    b, h, s, d = query.shape  # the query may carry joint tokens that K and V do not
-    local_heads = padding.padded(h, world) // world
-    keys = padding.kept_tokens(world * key.shape[2])
-    return query.new_empty(b, local_heads, world * s, d), key.new_empty(b, local_heads, keys, d), key.new_empty(b, local_heads, keys, d)
-
-
-operators.define("v_first_inputs", _inputs_operator, _inputs_fake)
-
-
-def _output_operator(out: torch.Tensor, heads: int) -> torch.Tensor:
-    """The output exchange (:func:`output_exchange`, covered by the layer's V-Major step) in a compiled graph."""
-    global _covering
-    step, _covering = _covering, None
-    return _owned(output_exchange(job.exchanger(), out, step, heads).contiguous())
-
-
-def _output_fake(out: torch.Tensor, heads: int) -> torch.Tensor:
-    b, _, s, d = out.shape
-    return out.new_empty(b, heads, s // job.exchanger().world_size, d)
-
-
-operators.define("v_first_output", _output_operator, _output_fake)
+_start_on_host = torch.compiler.disable(_start)
 
 
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
-    value: PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | torch.Tensor,
+    value: PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | OnHost,
     *,
     joint_query: torch.Tensor | None = None,
     joint_key: torch.Tensor | None = None,
@@ -341,11 +277,18 @@ def attention(
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
 
-    Under torch.compile, with V's exchange issued as a functional collective, so are the others;
-    with ``value`` the token of V's operator, the exchanges are operators of the graph; where V's
-    exchange could not start as either, graph breaks (:func:`exchange_inputs` and
-    :func:`output_exchange`). The joint tokens' layout, the K/V trim and the attention itself are traced.
+    Under torch.compile, with V's exchange issued as a functional collective, so are the others; with
+    V's exchange started on the host (:class:`OnHost`), the rest of the layer's attention runs there
+    too, between graphs.
     """
+    joint = {"joint_query": joint_query, "joint_key": joint_key, "joint_value": joint_value,
+             "joint_strategy": joint_strategy, "attention_kwargs": attention_kwargs}
+    if isinstance(value, OnHost):
+        return _attention_on_host(query, key, value.pending, **joint)
+    return _attention(query, key, value, **joint)
+
+
+def _attention(query, key, value, *, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs) -> torch.Tensor:
     head_count = query.shape[1]
     joint_attn_kwargs = None
     if joint_strategy:
@@ -357,9 +300,6 @@ def attention(
     elif isinstance(pending, ulysses_collectives.InFlight):
         query, key, value = ulysses_collectives.exchange_inputs(query, key, pending)
         key, value = padding.keep_keys(key, value)
-    elif isinstance(pending, torch.Tensor):
-        # Traced, V's exchange an operator in flight: the exchanges are operators too, not graph breaks.
-        query, key, value = torch.ops.cocodiff.v_first_inputs(query, key, pending)
     else:
         exchanger, query, key, value, v_major = exchange_inputs(query, key, pending)
     if attention_kwargs:  # (without them stock's trim returns K and V as they are)
@@ -369,9 +309,10 @@ def attention(
         return vmajor_graph.output(pending, out, head_count)
     if isinstance(pending, ulysses_collectives.InFlight):
         return ulysses_collectives.output(pending.exchanger, out, head_count)
-    if isinstance(pending, torch.Tensor):
-        return torch.ops.cocodiff.v_first_output(out, head_count)
     return output_exchange(exchanger, out, v_major, head_count)
+
+
+_attention_on_host = torch.compiler.disable(_attention)
 
 
 def _joined(query, joint_query, joint_key, joint_value, joint_strategy) -> tuple[torch.Tensor, dict | None]:
@@ -405,7 +346,6 @@ def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_
     return ring_attn(attention_function, query, key, value, **kwargs)
 
 
-@torch.compiler.disable
 def exchange_inputs(query: torch.Tensor, key: torch.Tensor, value: PendingExchange):
     """:func:`attention`'s exchanges of Q and K (the query with any joint tokens), and the wait for
     V's exchange ``value``: the exchanger, head-sharded Q, K, V (without the running forward's padded
@@ -424,7 +364,6 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, value: PendingExchan
     return exchanger, query, key, value, v_major
 
 
-@torch.compiler.disable
 def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Step | None = None, heads: int | None = None) -> torch.Tensor:
     """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``
     (the first ``heads`` of them, all by default: the rest are padding, :mod:`cocodiff_xfuser.padding`).

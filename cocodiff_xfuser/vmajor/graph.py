@@ -25,8 +25,9 @@ when the graph is traced (:func:`cocodiff_xfuser.commstats.traced`).
 Scopes, residual dtypes, warm-up, refresh and the first step follow
 :class:`cocodiff_xfuser.settings.VMajorSettings`. Counts that depend on the data (budget,
 threshold) or on the step (schedule) cannot be fixed before a graph is traced without carrying one
-request's measurements into the next: those policies, auto, a ring and fp8 on the wire take the
-per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`).
+request's measurements into the next: those policies, auto, V-Major on the ring's K/V and fp8 on the
+wire take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`), which a compiled job
+runs between its graphs (:func:`cocodiff_xfuser.processors.ulysses.in_graph`).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ _wait_tensor = compat.torch_private("torch.distributed._functional_collectives",
 
 def applies(exchanger, layer: policy.Layer | None) -> bool:
     """Whether ``layer``'s calls take this path: a Ulysses layer whose group crosses nodes, a count
-    fixed by the settings (top-k), no ring, values exchanged as they are (no fp8). Padded tokens are
+    fixed by the settings (top-k), no V-Major on the ring (a ring inside nodes is stock's), values exchanged as they are (no fp8). Padded tokens are
     zeros that never change: never selected, and cut from K and V as the exact path cuts them."""
-    return (layer is not None and isinstance(layer.settings.rule, TopK) and exchanger.ring_group is None
+    return (layer is not None and isinstance(layer.settings.rule, TopK) and not exchanger.ring_on_host
             and exchanger.options.compress == "none" and exchanger.slow_level is not None
             and exchanger.slow_level.exists)
 

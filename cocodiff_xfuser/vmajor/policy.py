@@ -44,7 +44,7 @@ class Layer:
         #: (branch, V's shape, dtype, device) -> exchange name -> (reference, received): the caches
         #: this layer keeps from call to call where its calls have static shapes (:mod:`.graph`).
         self.buffers: dict[tuple, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        #: How a compiled graph's operators and trace-time calls, which take no Python objects, name
+        #: How trace-time calls (:func:`cocodiff_xfuser.compat.trace_time`), which take no Python objects, name
         #: this layer (:func:`numbered`).
         self.number = next(_numbers)
         _by_number[self.number] = self

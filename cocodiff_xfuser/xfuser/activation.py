@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, operators, padding, ulysses_collectives
+from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import calls, fault_policy, flags, job, padded
@@ -90,36 +90,25 @@ def patch_runtime_state(rs: types.ModuleType) -> None:
 
 
 def _routed_all_to_all(original):
+    @torch.compiler.disable  # under V-Major on the ring: between graphs, as the ring attention runs
+    def on_host(x):
+        return _sdpa_all_to_all_single(x)
+
     def _sdpa_all_to_all_single(x):
         exchanger = job.exchanger()
-        if exchanger is not None and ulysses_collectives.applies(exchanger, None):
+        if exchanger is None:
+            commstats.count_exchange("stock", "usp")
+            return commstats.timed_exchange(original, x)
+        if torch.compiler.is_dynamo_compiling() and exchanger.ring_on_host:
+            return on_host(x)  # (a frame between the ring's breaks, whose sizes dynamo makes dynamic)
+        if ulysses_collectives.applies(exchanger, None):
             # Functional collectives, traced or not: the same code (routed when traced, or on first use).
             if commstats.timings_on and not torch.compiler.is_dynamo_compiling():
                 return commstats.timed_exchange(lambda t: ulysses_collectives.all_to_all(exchanger, t, "usp"), x)
             return ulysses_collectives.all_to_all(exchanger, x, "usp")
-        if torch.compiler.is_dynamo_compiling():
-            # A ring: one opaque operator in the graph, no break; it routes when the graph runs.
-            return torch.ops.cocodiff.ulysses_all_to_all(x)
-        if exchanger is None:
-            commstats.count_exchange("stock", "usp")
-            return commstats.timed_exchange(original, x)
         return commstats.timed_exchange(exchanger.all_to_all, x)
 
     return _sdpa_all_to_all_single
-
-
-def _compiled_all_to_all(x: torch.Tensor) -> torch.Tensor:
-    """xfuser's Ulysses exchange in a compiled cocodiff job (its graphs hold this operator, and a
-    compiled stock job runs xfuser's own function): the job's exchanger, a new contiguous tensor."""
-    out = commstats.timed_exchange(job.exchanger().all_to_all, x).contiguous()
-    return out.clone() if out.data_ptr() == x.data_ptr() else out
-
-
-def _compiled_all_to_all_fake(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-operators.define("ulysses_all_to_all", _compiled_all_to_all, _compiled_all_to_all_fake)
 
 
 def route_all_to_all(usp: types.ModuleType) -> None:
@@ -138,7 +127,8 @@ def _routed_rotater(original):
     def _create_rotater(pg, seq_dim, method=None):
         exchanger = job.exchanger()
         # A method named by the caller is torch's backward pass (gradients move between steps): stock.
-        if exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group or method is not None:
+        if (exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group or method is not None
+                or torch.compiler.is_dynamo_compiling()):  # traced: torch's own (:func:`_ring_with_tokens`)
             return original(pg, seq_dim, method)
         return exchanger.ring_rotater(pg, _ring_row)
 
@@ -146,16 +136,26 @@ def _routed_rotater(original):
 
 
 def _ring_with_tokens(original):
-    """torch's rotater sees K and V only as one flat buffer: the call records where its tokens are."""
+    """torch's rotater sees K and V only as one flat buffer: the call records where its tokens are.
+    Traced, unless V-Major runs on the ring (:attr:`~cocodiff_xfuser.exchanger.Exchanger.ring_on_host`),
+    the graph holds torch's ring as stock's graph does, counted when traced."""
 
-    @torch.compiler.disable  # the ring's K/V exchanges are cocodiff's: host work, out of traced code
-    def _templated_ring_attention(*args, **kwargs):
+    @torch.compiler.disable  # V-Major on the ring's K/V, or eagerly: the exchanger's host work
+    def on_host(*args, **kwargs):
         global _ring_row
         outer, _ring_row = _ring_row, _token_row(args)
         try:
             return original(*args, **kwargs)
         finally:
             _ring_row = outer
+
+    def _templated_ring_attention(*args, **kwargs):
+        exchanger = job.exchanger()
+        if torch.compiler.is_dynamo_compiling() and exchanger is not None and not exchanger.ring_on_host:
+            if len(args) >= 6:  # torch's (group, seq_dim, op, query, key, value)
+                exchanger.count_traced_ring(args[4], args[5])
+            return original(*args, **kwargs)
+        return on_host(*args, **kwargs)
 
     return _templated_ring_attention
 
@@ -228,11 +228,26 @@ def _adapt(pipe, transformers: list) -> None:
         v_major = exchanger.options.v_major if exchanger.slow_level is not None or exchanger.ring_remote else None
         for transformer in transformers:
             families.install(transformer, exchanger, v_major)
+        if v_major is not None and _compiled():
+            _say_host_layers(exchanger, v_major)
         calls.bind(pipe, families.clocks(transformers))
         families.agree_fused_kernels()
         stock = sorted({name for t in transformers for name in families.stock_usp(t)})
         if uneven is not None and stock:
             fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {', '.join(stock)} has no cocodiff processor")
+
+
+def _say_host_layers(exchanger, v_major) -> None:
+    """One line where a compiled job's V-Major layers run their exchanges between graphs
+    (:func:`cocodiff_xfuser.processors.ulysses.in_graph`)."""
+    if exchanger.ring_on_host:
+        what = "V-Major on the ring's K/V runs host code per ring attention"
+    elif v_major.policy != "top-k":
+        what = f"V-Major's {v_major.policy} policy decides its counts per call"
+    else:
+        return
+    logger.warning("cocodiff: %s: under torch.compile its layers' exchanges run between graphs "
+                   "(top-k keeps them in the graph)", what)
 
 
 # The transformers whose calls replay their graphs' counts (hooked once, however often xfuser adapts them).

@@ -12,7 +12,7 @@ host work are real, values are not). Per configuration (``stock``: xfuser's proc
 exchanges; ``cocodiff``: its exact exchange under xfuser's processors; ``+vfirst``: its V-First
 processors; ``+vmajor``: V-Major at its defaults (top-k: static shapes, caches the graphs update in
 place) over topology 2x4, so the Ulysses exchange crosses nodes; ``-budget``: V-Major under budget,
-whose counts the data decides: its per-call path, through operators),
+whose counts the data decides: its per-call path, between graphs),
 compiled as xDiT compiles FLUX, it reports:
 
 * from inductor's generated code: each graph's CUDA graph partitions (``Runner(partitions=...)``),

@@ -94,7 +94,7 @@ COUNT_TARGETS = {
 }
 #: The two counting jobs' step counts: their difference leaves what every step repeats.
 COUNT_STEPS = (4, 8)
-#: cocodiff's exchange operators: their Python kernels run on the host on any device.
+#: cocodiff's own operator namespace, which no exchange uses any more: counted, to show that none ran.
 OPERATORS = "cocodiff"
 #: V-Major's Triton operators: their CPU kernels stand for the device's work (a launch on a GPU).
 KERNEL_OPS = "cocodiff_kernels"
