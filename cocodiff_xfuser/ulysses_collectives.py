@@ -200,9 +200,11 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, value: InFlight) -> 
     return query, key, value
 
 
-def output(exchanger: Exchanger, out: torch.Tensor, heads: int) -> torch.Tensor:
-    """The output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]`` (its first
+def output(value: InFlight, out: torch.Tensor, heads: int) -> torch.Tensor:
+    """The output exchange of the layer whose V's exchange was ``value`` (through its exchanger; V-Major's
+    static path hands its own), head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]`` (its first
     ``heads``: the rest are padding), as xfuser's ``_ft_c_output_all_to_all`` lays it out."""
+    exchanger = value.exchanger
     world = exchanger.world_size
     b, h, s, d = out.shape
     padding.count(out.numel() * out.element_size(), heads, h * world)

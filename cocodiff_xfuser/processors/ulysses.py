@@ -15,17 +15,14 @@ here (:mod:`cocodiff_xfuser.padding`): attention stays exact, the bits are no lo
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Sequence
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives
-from cocodiff_xfuser.comm import timing, transport
+from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives, ulysses_handles
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.exchanger import Exchanger
-from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import graph as vmajor_graph
 from cocodiff_xfuser.vmajor import policy
@@ -45,184 +42,33 @@ class VFirst:
     clock: vmajor_clock.Clock | None = None
 
 
-class PendingExchange:
-    """Sequence-sharded ``[b, h, s, d]`` tensors on their way to head-sharded ``[b, h/W, W*s, d]``.
-
-    With V-Major (``layer`` for V's exchange, then V's decision ``v_major`` for Q/K's), the
-    exchange may be sparse over slow links and lands in the layer's cache of its previous result.
-    At a sparse step whose Q and K follow V's selection, V's exchange waits to ride with Q/K's
-    (``carrying``): its rows then travel in Q/K's messages, and the layer posts one input exchange,
-    not two (:attr:`cocodiff_xfuser.vmajor.policy.Step.v_rides`).
-    """
-
-    def __init__(
-        self,
-        exchanger: Exchanger,
-        tensors: tuple[torch.Tensor, ...],
-        label: str,
-        layer: policy.Layer | None = None,
-        v_major: policy.Step | None = None,
-        carrying: PendingExchange | None = None,
-    ) -> None:
-        self.exchanger = exchanger
-        world = exchanger.world_size
-        head_count = tensors[0].shape[1]
-        # As they cross the wire (bf16 values in the emulated clusters): V-Major compares and caches those.
-        # (Lists, not generators, here and below: a generator's every step is a Python call per layer.)
-        tensors = tuple([transport.wire_values(padding.pad_heads(t, world)) for t in tensors])
-        b, h, s, d = tensors[0].shape
-        self._n = len(tensors)
-        self._label = label
-        self._nbytes = len(tensors) * tensors[0].numel() * tensors[0].element_size()  # alike in shape
-        padding.count(self._nbytes, head_count, h)
-        self._stacked_shape = (world, len(tensors), b, h // world, s, d)
-        self._started = time.perf_counter()
-        self._name = "v" if layer is not None else "qk"
-        self._covered: _Covered | None = None
-        # V waiting for Q/K's exchange to carry it: destination-major, and as given ([b, h, s, d]).
-        self._riding: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._carried = False
-        self._exchanged = None
-        if v_major is None and (layer is None or exchanger.slow_level is None or layer.stopped()):
-            # Exact: the head blocks are written once, in the order the chosen exchange sends.
-            self._handle = exchanger.start_heads(tensors, label)
-            if carrying is not None:
-                carrying.start_alone()
-        else:
-            names = (self._name,)
-            if carrying is not None and carrying._rides_with(self._stacked_shape, v_major):
-                # Q, K and V written once, side by side (the layout of xfuser's combined exchange).
-                names, tensors = (self._name, "v"), (*tensors, carrying._riding[1])
-                self._nbytes += carrying._nbytes
-            elif carrying is not None:
-                carrying.start_alone()
-            # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
-            stacked = heads(tensors, (world,), (0,))
-            if layer is not None:
-                bookkeeping = time.perf_counter()
-                v_major = layer.begin(stacked)
-                commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-                if v_major.v_rides:
-                    self.v_major, self._riding, self._handle, self._calibration = v_major, (stacked, tensors[0]), None, False
-                    return
-            self._covered = _Covered.start(exchanger, names, stacked, label, v_major)
-            self._handle = exchanger.start(stacked, label) if self._covered is None else self._covered.handle
-            if len(names) == 2:
-                carrying._carried_by(self._covered)
-        self.v_major = None if self._covered is None else v_major
-        self._calibration = commstats.calibrating(label, self._nbytes)
-        self._exchanged = self._result() if self._calibration else None
-
-    def _rides_with(self, shape: tuple[int, ...], step: policy.Step) -> bool:
-        """Whether this waiting V can travel in the exchange of destination-major Q/K of ``shape``:
-        V's shape but for the number of tensors, and ``step`` covers Q/K of that shape."""
-        return self._riding is not None and self._riding[0].shape[2:] == shape[2:] and step.covers("qk", self._riding[0])
-
-    def _carried_by(self, covered: _Covered) -> None:
-        """V's rows left with Q/K's exchange ``covered``, which holds V's result."""
-        self._riding, self._covered, self._handle, self._carried = None, covered, covered.handle, True
-
-    def start_alone(self) -> None:
-        """Start V's exchange where it waited to ride with Q/K's and they cannot carry it."""
-        if self._riding is not None:
-            (stacked, _), self._riding = self._riding, None
-            self._covered = _Covered.start(self.exchanger, ("v",), stacked, self._label, self.v_major)
-            self._handle = self._covered.handle
-
-    def _result(self) -> torch.Tensor:
-        return self._handle.wait() if self._covered is None else self._covered.wait(self._name)
-
-    def advance(self) -> None:
-        """Launch the exchange's next phase (the slow links; on NCCL/XCCL without blocking the host)."""
-        if self._exchanged is None and self._handle is not None:
-            self._handle.advance()
-
-    def wait(self) -> tuple[torch.Tensor, ...]:
-        waited = time.perf_counter()
-        self.start_alone()  # a V that nothing carried
-        exchanged = self._result() if self._exchanged is None else self._exchanged
-        if commstats.enabled() and not self._carried:  # a carried V's bytes and time are Q/K's
-            finished = timing.now(exchanged.device)
-            commstats.record_async(self._label, self._nbytes, self._started, waited, finished, self._calibration)
-        if exchanged.shape != self._stacked_shape:  # fp8 on the slow links only: rows of its own layout
-            exchanged = exchanged.reshape(self._stacked_shape)
-        return sequence(exchanged, self._n)
-
-
-class _Covered:
-    """An exchange that a V-Major decision covers: ``names`` ('v', 'qk' or 'o'; 'qk' and 'v'
-    together where V rides with Q/K at a sparse step) of destination-major ``[W, n, b, h/W, s, d]``
-    data (theirs along dim 1, in that order), exact at a full step, else sparse over slow links into
-    the layer's cache of its previous result, which its result becomes."""
-
-    @classmethod
-    def start(
-        cls, exchanger: Exchanger, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step | None
-    ) -> _Covered | None:
-        """The exchange started, or None where ``step`` does not cover it (the caller's exact exchange)."""
-        if step is None or not all(step.covers(name, stacked) for name in names):
-            return None
-        return cls(exchanger, names, stacked, label, step)
-
-    def __init__(self, exchanger: Exchanger, names: tuple[str, ...], stacked: torch.Tensor, label: str, step: policy.Step) -> None:
-        self._step = step
-        self._names = names
-        self._results: dict[str, torch.Tensor] | None = None
-        self._shape = stacked.shape
-        bookkeeping = time.perf_counter()
-        if step.active is None:
-            step.rows(names, stacked)
-            commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-            self.handle = exchanger.start(stacked, label)
-            return
-        world, n, b, local_heads, s, d = stacked.shape
-        rows, residual = step.rows(names, stacked)
-        commstats.count_v_major_time(time.perf_counter() - bookkeeping)
-        commstats.count_v_major_sparse("+".join(names))
-        planes = n * b * local_heads  # [W, n, b, h/W, s, d] as [W, planes, s, d]
-        # The rows for each rank on another node: [n, b, h/W, k, d'] (d' = d, or int4's bytes) as [planes, k, d'].
-        rows = {j: r.reshape(planes, r.shape[3], r.shape[4]) for j, r in rows.items()}
-        received = step.caches.received[names[0]] if len(names) == 1 else step.caches.joined("received", names)
-        self.handle = exchanger.start_sparse(
-            stacked.view(world, planes, s, d), rows, step.selection, received.reshape(world, planes, s, d), label, residual,
-            by_receiver=names == ("o",), learn_peers="v" in names,
-        )
-
-    def wait(self, name: str) -> torch.Tensor:
-        """The exchanged ``name`` part (``[W, n, b, h/W, s, d]``), also kept as the receivers' copy."""
-        if self._results is None:
-            exchanged = self.handle.wait().view(self._shape)
-            caches = self._step.caches
-            if "v" in self._names and self.handle.peers is not None:  # what V's sparse exchange learned
-                caches.peers = self.handle.peers
-            if len(self._names) == 1:
-                caches.received[self._names[0]] = exchanged
-            else:
-                caches.split("received", self._names, exchanged)
-            self._results = {part: caches.received[part] for part in self._names}
-        return self._results[name]
-
-
 def start_input_exchange(
     exchanger: Exchanger,
     value: torch.Tensor,
     *,
     label: str,
     layer: policy.Layer | None = None,
-) -> PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | OnHost:
+) -> ulysses_handles.PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | OnHost:
     """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``exchanger``,
     asynchronously (counted as the call); ``layer``: its V-Major layer.
 
     An exact layer's exchange is a functional collective (:mod:`cocodiff_xfuser.ulysses_collectives`),
     issued here, before Q and K are projected, traced or not; a top-k V-Major layer's likewise
-    (:mod:`cocodiff_xfuser.vmajor.graph`). Eagerly, the others take the exchanger's handles. Traced,
-    the others (:func:`in_graph`) start between graphs, on the host: the graph breaks here and at
-    :func:`attention`, and the Q/K projections between run as a graph of their own while V's
-    exchange is in flight.
+    (:mod:`cocodiff_xfuser.vmajor.graph`); the others take the exchanger's handles
+    (:mod:`cocodiff_xfuser.ulysses_handles`). Traced, those (:func:`in_graph`) start between graphs,
+    on the host: the graph breaks here and at :func:`attention`, and the Q/K projections between run
+    as a graph of their own while V's exchange is in flight.
     """
     if torch.compiler.is_dynamo_compiling() and not in_graph(exchanger, layer):
-        return OnHost(_start_on_host(exchanger, value, label, layer))
-    return _start(exchanger, value, label, layer)
+        return OnHost(_start_on_host(exchanger, value, label=label, layer=layer))
+    if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
+        return vmajor_graph.start_v(exchanger, layer, value, label)
+    if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
+        return ulysses_collectives.start_v(exchanger, value, label)
+    return ulysses_handles.start_v(exchanger, value, label, layer)
+
+
+_start_on_host = torch.compiler.disable(start_input_exchange)
 
 
 def in_graph(exchanger: Exchanger, layer: policy.Layer | None) -> bool:
@@ -241,27 +87,14 @@ class OnHost:
     """A compiled layer's exchange started between graphs (``pending``, the eager path's), which
     :func:`attention` finishes between graphs too."""
 
-    def __init__(self, pending: PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall) -> None:
+    def __init__(self, pending: ulysses_handles.PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall) -> None:
         self.pending = pending
-
-
-def _start(exchanger: Exchanger, value: torch.Tensor, label: str, layer: policy.Layer | None
-           ) -> PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall:
-    if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
-        return vmajor_graph.start_v(exchanger, layer, value, label)
-    if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
-        return ulysses_collectives.start_v(exchanger, value, label)
-    commstats.count_v_first_call()  # V's exchange: one per V-First call
-    return PendingExchange(exchanger, (value,), label, layer)
-
-
-_start_on_host = torch.compiler.disable(_start)
 
 
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
-    value: PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | OnHost,
+    value: ulysses_handles.PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | OnHost,
     *,
     joint_query: torch.Tensor | None = None,
     joint_key: torch.Tensor | None = None,
@@ -277,42 +110,33 @@ def attention(
     go to the attention function as in ``USP``, after its K/V padding trim
     (:func:`attention_kwargs_reason` says which ones this does not handle).
 
-    Under torch.compile, with V's exchange issued as a functional collective, so are the others; with
-    V's exchange started on the host (:class:`OnHost`), the rest of the layer's attention runs there
-    too, between graphs.
+    The exchanges are those of the path V's started on (a module with the same three roles: V's
+    start, Q/K's exchange with V's wait, the output). Under torch.compile, with V's exchange started
+    on the host (:class:`OnHost`), the rest of the layer's attention runs there too, between graphs.
     """
-    joint = {"joint_query": joint_query, "joint_key": joint_key, "joint_value": joint_value,
-             "joint_strategy": joint_strategy, "attention_kwargs": attention_kwargs}
     if isinstance(value, OnHost):
-        return _attention_on_host(query, key, value.pending, **joint)
-    return _attention(query, key, value, **joint)
-
-
-def _attention(query, key, value, *, joint_query, joint_key, joint_value, joint_strategy, attention_kwargs) -> torch.Tensor:
+        return _attention_on_host(query, key, value.pending, joint_query=joint_query, joint_key=joint_key,
+                                  joint_value=joint_value, joint_strategy=joint_strategy, attention_kwargs=attention_kwargs)
     head_count = query.shape[1]
     joint_attn_kwargs = None
     if joint_strategy:
         query, joint_attn_kwargs = _joined(query, joint_query, joint_key, joint_value, joint_strategy)
     pending = value
     if isinstance(pending, vmajor_graph.LayerCall):
-        query, key, value = vmajor_graph.exchange_inputs(query, key, pending)
-        key, value = padding.keep_keys(key, value)  # the running forward's padded tokens, if any
+        path = vmajor_graph
     elif isinstance(pending, ulysses_collectives.InFlight):
-        query, key, value = ulysses_collectives.exchange_inputs(query, key, pending)
-        key, value = padding.keep_keys(key, value)
+        path = ulysses_collectives
     else:
-        exchanger, query, key, value, v_major = exchange_inputs(query, key, pending)
+        path = ulysses_handles
+    query, key, value = path.exchange_inputs(query, key, pending)
+    key, value = padding.keep_keys(key, value)  # the running forward's padded tokens, if any
     if attention_kwargs:  # (without them stock's trim returns K and V as they are)
         key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
     out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
-    if isinstance(pending, vmajor_graph.LayerCall):
-        return vmajor_graph.output(pending, out, head_count)
-    if isinstance(pending, ulysses_collectives.InFlight):
-        return ulysses_collectives.output(pending.exchanger, out, head_count)
-    return output_exchange(exchanger, out, v_major, head_count)
+    return path.output(pending, out, head_count)
 
 
-_attention_on_host = torch.compiler.disable(_attention)
+_attention_on_host = torch.compiler.disable(attention)
 
 
 def _joined(query, joint_query, joint_key, joint_value, joint_strategy) -> tuple[torch.Tensor, dict | None]:
@@ -344,52 +168,6 @@ def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_
         out, _ = attention_function(query, key, value, **kwargs)
         return out
     return ring_attn(attention_function, query, key, value, **kwargs)
-
-
-def exchange_inputs(query: torch.Tensor, key: torch.Tensor, value: PendingExchange):
-    """:func:`attention`'s exchanges of Q and K (the query with any joint tokens), and the wait for
-    V's exchange ``value``: the exchanger, head-sharded Q, K, V (without the running forward's padded
-    tokens) and V's V-Major step (or None)."""
-    value.advance()
-    exchanger = value.exchanger
-    if query.shape == key.shape:
-        query, key = PendingExchange(exchanger, (query, key), "qk", v_major=value.v_major, carrying=value).wait()
-    else:  # the query carries the joint tokens: two exchanges, both in flight together
-        value.start_alone()
-        pending_q, pending_k = PendingExchange(exchanger, (query,), "q"), PendingExchange(exchanger, (key,), "k")
-        (query,), (key,) = pending_q.wait(), pending_k.wait()
-    v_major = value.v_major
-    (value,) = value.wait()
-    key, value = padding.keep_keys(key, value)
-    return exchanger, query, key, value, v_major
-
-
-def output_exchange(exchanger: Exchanger, out: torch.Tensor, v_major: policy.Step | None = None, heads: int | None = None) -> torch.Tensor:
-    """The Ulysses output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]``
-    (the first ``heads`` of them, all by default: the rest are padding, :mod:`cocodiff_xfuser.padding`).
-
-    The layout changes of xfuser's ``_ft_c_output_all_to_all``; the exchange goes to
-    ``exchanger`` directly, like the input exchanges. Under V-Major's scope qkvo, the layer's decision
-    ``v_major`` covers it: rows are then destination-major ``[W, 1, b, h/W, s, d]``.
-    """
-    world = exchanger.world_size
-    b, h, s, d = out.shape
-    heads = h * world if heads is None else heads
-    padding.count(out.numel() * out.element_size(), heads, h * world)
-    if v_major is not None:
-        # The wire's values, which V-Major's residuals are taken of (the exact exchange rounds its own).
-        stacked = transport.wire_values(out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
-        covered = _Covered.start(exchanger, ("o",), stacked, "out", v_major)
-        if covered is not None:
-            exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
-            return _real_heads(exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d), heads)
-    exchanged = commstats.timed_exchange(lambda t: exchanger.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
-    return _real_heads(exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d), heads)
-
-
-def _real_heads(out: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[b, h, s, d]`` without the padded heads past ``heads`` (``out`` itself where there are none)."""
-    return out if out.shape[1] == heads else out[:, :heads]
 
 
 def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:

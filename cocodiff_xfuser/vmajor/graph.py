@@ -153,11 +153,11 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> 
 def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
     """The output exchange, head-sharded ``[b, h/W, W*s, d]`` back to ``[b, h, s, d]`` (its first
     ``heads``): under scope qkvo each rank on another node gets its own active tokens' rows."""
-    exchanger, world = call.exchanger, call.exchanger.world_size
+    world = call.exchanger.world_size
     b, local_heads, tokens, d = out.shape
     s = tokens // world
     if call.settings.scope != "qkvo" or call.caches is None or s != call.shape[4]:
-        return ulysses_collectives.output(exchanger, out, heads)
+        return ulysses_collectives.output(call, out, heads)
     padding.count(out.numel() * out.element_size(), heads, local_heads * world)
     # [b, h/W, W*s, d] -> [W, 1, b, h/W, s, d]: token block j for group rank j
     x = transport.wire_values(out.reshape(b, local_heads, world, s, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
