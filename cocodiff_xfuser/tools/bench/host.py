@@ -569,7 +569,7 @@ def _functional_timed(timer: _Timer) -> None:
 def _worker(argv: list[str]) -> None:
     import torch
 
-    from cocodiff_xfuser import commstats
+    from cocodiff_xfuser import commstats, ulysses_handles
     from cocodiff_xfuser.comm import transport
     from cocodiff_xfuser.exchanger import Exchanger
     from cocodiff_xfuser.processors import ulysses
@@ -581,8 +581,9 @@ def _worker(argv: list[str]) -> None:
     elif "--use_torch_compile" not in argv:
         _functional_timed(timer)
     ulysses.fallback_reason = timer.wrap(ulysses.fallback_reason, "decision_s")
-    for name in ("start_input_exchange", "exchange_inputs", "output_exchange"):
-        setattr(ulysses, name, timer.wrap(getattr(ulysses, name), "exchange_s"))
+    ulysses.start_input_exchange = timer.wrap(ulysses.start_input_exchange, "exchange_s")
+    for name in ("exchange_inputs", "output"):
+        setattr(ulysses_handles, name, timer.wrap(getattr(ulysses_handles, name), "exchange_s"))
     Exchanger.all_to_all = timer.wrap(Exchanger.all_to_all, "exchange_s")
 
     def post_nothing(recv, send, group, role, what, buffers=()):
