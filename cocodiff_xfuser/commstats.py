@@ -22,6 +22,7 @@ Timings synchronize the device first, so they are real on GPUs too (and cost a s
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -75,51 +76,76 @@ _overlap: dict[tuple[str, int], _Overlap] = defaultdict(_Overlap)
 _ran = _Ran()
 
 
-# A compiled graph counts nothing when it runs: what it runs is counted when it is traced (:func:`traced`)
-# and added after each transformer call that ran it (:func:`call_ended`).
-_traced: list[tuple[str, tuple]] = []  # counted by the graphs traced since the last transformer call ended
-_tallies: dict[tuple, list[tuple[str, object]]] = {}  # transformer call signature -> what its graph counts per call
+# A compiled graph counts nothing on the host when it runs: what it runs is counted when it is traced
+# (:func:`traced`), once per graph, and how often the graph ran it counts itself on the device.
+#: Per counting graph (its slot of :data:`_graph_calls`): what one of its runs counts.
+_tallies: list[_Ran] = []
+#: The graph being traced (:func:`cocodiff_xfuser.compat.traced_graph`) and its slot, where it counts.
+_tracing: tuple[object, int] | None = None
+#: Per counting graph, its runs: a device tensor the graphs update in place (static: CUDA graph
+#: trees let them), read where the counts are (:func:`ran`). None until a graph counts.
+_graph_calls: torch.Tensor | None = None
+#: Counting graphs a process holds at most (a few per transformer, step phase and input shapes).
+GRAPH_SLOTS = 256
 
 
 def traced(name: str, *args: object) -> None:
     """Count ``name(*args)`` (a counting function of this module): in code dynamo traces, each time
-    the graph being traced runs (after each transformer call: :func:`call_ended`); called eagerly,
-    once, now. Call it from traced code itself, not from a function run at trace time
-    (:func:`compat.trace_time`), where torch before 2.13 does not say it is compiling."""
+    the graph being traced runs (the graph's first count also adds one to its runs, on the device:
+    no host work when it runs); called eagerly, once, now. Call it from traced code itself, not
+    from a function run at trace time (:func:`compat.trace_time`), where torch before 2.13 does not
+    say it is compiling."""
     if torch.compiler.is_dynamo_compiling():  # dynamo reads this as true in the code it traces (one Python call eagerly)
-        _record(name, args)
+        slot = _record(name, args)
+        if slot >= 0:
+            _graph_calls[slot].add_(1)
     else:
         globals()[name](*args)
 
 
 @compat.trace_time
 def _record(name: str, args: tuple) -> int:
-    _traced.append((name, args))
-    return 0
-
-
-def call_ended(signature: tuple) -> None:
-    """A transformer call of ``signature`` (what selects its graph: input shapes) ended: count what its
-    graph runs (as traced in this call, or in the last call that traced it), in a few operations
-    however many layers it has."""
-    global _ran
-    if _traced:
-        total, _ran = _ran, _Ran()
-        for name, args in _traced:
-            globals()[name](*args)
-        # Only what the graph counts: a handful of fields, added per call.
-        _tallies[signature] = [(f.name, getattr(_ran, f.name)) for f in fields(_Ran) if getattr(_ran, f.name)]
-        _ran = total
-        _traced.clear()
-    for name, counts in _tallies.get(signature, ()):
-        if isinstance(counts, Counter):
-            getattr(_ran, name).update(counts)
-        elif isinstance(counts, dict):  # V-Major's rows: (step or phase, layer) -> [active, tokens]
-            for key, (active, tokens) in counts.items():
-                total = _ran.v_major.setdefault(key, [0, 0])
-                total[0], total[1] = total[0] + active, total[1] + tokens
+    """Count ``name(*args)`` in the tally of the graph being traced; its slot where this is the
+    graph's first count (the graph then counts its runs), else -1."""
+    global _tracing, _graph_calls, _ran
+    graph = compat.traced_graph()
+    first = _tracing is None or _tracing[0] is not graph
+    if first:
+        if _graph_calls is None:
+            _graph_calls = torch.zeros(GRAPH_SLOTS, dtype=torch.int64, device=detect().current_device())
+            compat.mark_static(_graph_calls)
+        if len(_tallies) == GRAPH_SLOTS:
+            logging.getLogger("cocodiff_xfuser").warning("cocodiff: more than %d counting graphs: the newest share the "
+                                                         "last one's counts", GRAPH_SLOTS)
+            _tallies[-1] = _Ran()
         else:
-            setattr(_ran, name, getattr(_ran, name) + counts)
+            _tallies.append(_Ran())
+        _tracing = (graph, len(_tallies) - 1)
+    total, _ran = _ran, _tallies[_tracing[1]]
+    try:
+        globals()[name](*args)
+    finally:
+        _ran = total
+    return _tracing[1] if first else -1
+
+
+def _graph_counts() -> _Ran:
+    """What the compiled graphs ran since the last :func:`reset_ran`: each one's counts per run
+    times its runs (one read of the device's counters)."""
+    counted = _Ran()
+    runs = [] if _graph_calls is None else _graph_calls[:len(_tallies)].tolist()
+    for tally, n in zip(_tallies, runs):
+        for f in fields(_Ran) if n else ():
+            counts = getattr(tally, f.name)
+            if isinstance(counts, Counter):
+                getattr(counted, f.name).update({key: value * n for key, value in counts.items()})
+            elif isinstance(counts, dict):  # V-Major's rows: (step or phase, layer) -> [active, tokens]
+                for key, (active, tokens) in counts.items():
+                    total = counted.v_major.setdefault(key, [0, 0])
+                    total[0], total[1] = total[0] + active * n, total[1] + tokens * n
+            else:
+                setattr(counted, f.name, getattr(counted, f.name) + counts * n)
+    return counted
 
 
 def count_exchange(algorithm: str, label: str, slow_link_bytes: int = 0, slow_link_bytes_exact: int = 0, copied_bytes: int = 0) -> None:
@@ -185,20 +211,26 @@ def ran() -> dict:
     rode with Q/K), ``kernels``: launches of V-Major's Triton kernels by name, and
     ``v_major_s``: the host time of V-Major's bookkeeping (selection, references, residuals; on a
     GPU the time to queue that work, which the device runs asynchronously)."""
+    graphs = _graph_counts()
+    reports = [_report(counts) for counts in (_ran, graphs)]
+    return reports[0] if not _tallies else sum_ran(reports)
+
+
+def _report(counts: _Ran) -> dict:
     return {
-        "exchanges": dict(_ran.exchanges),
-        "labels": dict(_ran.labels),
-        "v_first_calls": _ran.v_first_calls,
-        "fallbacks": dict(_ran.fallbacks),
-        "reverted": dict(_ran.reverted),
-        "slow_link_bytes": _ran.slow_link_bytes,
-        "slow_link_bytes_exact": _ran.slow_link_bytes_exact,
-        "copied_bytes": _ran.copied_bytes,
-        "padded_bytes": _ran.padded_bytes,
-        "v_major": _v_major_report(_ran.v_major),
-        "v_major_s": _ran.v_major_s,
-        "v_major_sparse": dict(_ran.v_major_sparse),
-        "kernels": dict(_ran.kernels),
+        "exchanges": dict(counts.exchanges),
+        "labels": dict(counts.labels),
+        "v_first_calls": counts.v_first_calls,
+        "fallbacks": dict(counts.fallbacks),
+        "reverted": dict(counts.reverted),
+        "slow_link_bytes": counts.slow_link_bytes,
+        "slow_link_bytes_exact": counts.slow_link_bytes_exact,
+        "copied_bytes": counts.copied_bytes,
+        "padded_bytes": counts.padded_bytes,
+        "v_major": _v_major_report(counts.v_major),
+        "v_major_s": counts.v_major_s,
+        "v_major_sparse": dict(counts.v_major_sparse),
+        "kernels": dict(counts.kernels),
     }
 
 
@@ -246,6 +278,8 @@ def _sum_shares(reports: list[dict]) -> dict:
 def reset_ran() -> None:
     global _ran
     _ran = _Ran()
+    if _graph_calls is not None:
+        _graph_calls.zero_()
 
 
 def enabled() -> bool:

@@ -64,19 +64,19 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # dynamo's counters (frames converted, graph breaks) and its reset: what a compiled job did, per
     # backend (tools/generate.py).
     ("torch._dynamo.utils", "counters"),
-    # V-Major's caches, kept from call to call: static inputs of the graphs (vmajor/graph.py).
+    # V-Major's caches, kept from call to call, and the graphs' run counters: static inputs of the
+    # graphs (vmajor/graph.py, commstats.py).
     ("torch._dynamo", "mark_static_address"),
     ("torch._dynamo", "reset"),
     # Where inductor hands each graph's generated code to tests (tools/generate.py keeps it per backend).
     ("torch._inductor.graph", "GraphLowering"),
     # The CPU flash kernel that returns the log-sum-exp ring attention merges with (tests on CPU).
     ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu"),
-    # Which tensor a view views: a compiled graph's operator returns its own memory, never a view of
-    # memory cocodiff keeps (a graph may reuse an operator's output as scratch memory).
-    ("torch.Tensor", "_base"),
     # What dynamo runs when it traces a call instead of tracing into it, its result a constant of the
     # graph (:func:`trace_time`).
     ("torch._dynamo", "assume_constant_result"),
+    # The graph dynamo is building, which a trace-time count adds itself to (commstats.py).
+    ("torch._dynamo.symbolic_convert", "InstructionTranslator"),
 )
 
 
@@ -85,6 +85,13 @@ def trace_time(fn: Callable) -> Callable:
     it guards by identity) and its result a constant of the graph: host work that a compiled graph
     decides once, when it is traced, and never runs. Called eagerly, ``fn`` runs as it is."""
     return torch_private("torch._dynamo", "assume_constant_result")(fn)
+
+
+def traced_graph() -> object:
+    """At trace time (:func:`trace_time`), the graph dynamo is building: one object per attempt at
+    a frame (an attempt that restarts builds another), shared by the functions it inlines."""
+    translator = torch_private("torch._dynamo.symbolic_convert", "InstructionTranslator")
+    return translator.current_tx().output
 
 
 def trace_time_method(method: Callable) -> Callable:
@@ -103,11 +110,6 @@ def mark_static(t: Any) -> None:
     """Mark tensor ``t`` as a static input of the graphs that read it (same memory every call: CUDA
     graph trees let a graph update it in place)."""
     torch_private("torch._dynamo", "mark_static_address")(t)
-
-
-def views_another(t: Any) -> bool:
-    """Whether tensor ``t`` is a view of another tensor's memory."""
-    return torch_private("torch.Tensor", "_base").__get__(t) is not None
 
 
 class IncompatibleXfuser(RuntimeError):

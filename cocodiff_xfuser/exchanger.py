@@ -245,7 +245,7 @@ class Exchanger:
 
     # The handles and the buffer pool are Python state that torch.compile cannot trace: these
     # exchanges run only eagerly: in an eager job, or between a compiled job's graphs (the V-First
-    # layers that :func:`cocodiff_xfuser.processors.ulysses.in_graph` leaves to the host).
+    # layers that :func:`cocodiff_xfuser.processors.ulysses.start_input_exchange` leaves to the host).
     def start(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data;
         the wire's values: the V-First processors, its callers, round them where V-Major reads them)."""

@@ -35,6 +35,10 @@ class Platform:
             return torch.device("cpu")
         return torch.device(self.name, local_rank)
 
+    def current_device(self) -> torch.device:
+        """The device this process computes on (``set_device``'s)."""
+        return self.device(0 if self.name == "cpu" else getattr(torch, self.name).current_device())
+
     def set_device(self, local_rank: int) -> None:
         if self.name != "cpu":
             getattr(torch, self.name).set_device(local_rank)

@@ -36,7 +36,7 @@ def applies(exchanger: Exchanger, layer: object | None) -> bool:
     """Whether a layer's exchanges are functional collectives: no V-Major ``layer`` (padded heads and
     tokens are static slices and zeros, :mod:`cocodiff_xfuser.padding`; a ring's K/V are torch's,
     as in stock's graph, or, under V-Major on the ring, run between graphs with the layer's
-    exchanges: :func:`cocodiff_xfuser.processors.ulysses.in_graph`). Eagerly the same code runs, but
+    exchanges: :func:`cocodiff_xfuser.processors.ulysses.start_input_exchange`). Eagerly the same code runs, but
     where the exchanger was asked for what only its handles do
     (:attr:`~cocodiff_xfuser.exchanger.Exchanger.handles_only`)."""
     return (layer is None and exchanger.options.compress in ("none", "fp8", "fp8-slow")

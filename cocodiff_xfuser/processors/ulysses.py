@@ -55,32 +55,25 @@ def start_input_exchange(
     An exact layer's exchange is a functional collective (:mod:`cocodiff_xfuser.ulysses_collectives`),
     issued here, before Q and K are projected, traced or not; a top-k V-Major layer's likewise
     (:mod:`cocodiff_xfuser.vmajor.graph`); the others take the exchanger's handles
-    (:mod:`cocodiff_xfuser.ulysses_handles`). Traced, those (:func:`in_graph`) start between graphs,
-    on the host: the graph breaks here and at :func:`attention`, and the Q/K projections between run
-    as a graph of their own while V's exchange is in flight.
+    (:mod:`cocodiff_xfuser.ulysses_handles`): V-Major's other policies, which choose their counts
+    from the data or the step (a graph cannot fix them when it is traced without carrying one
+    request's measurements into the next), and V-Major on the ring's K/V (there the graph breaks at
+    the ring attention and dynamo traces the layer's pieces as frames of their own, with dynamic
+    sizes after the second block type, which an exchange's route cannot be fixed for). Traced, those
+    start between graphs, on the host: the graph breaks here and at :func:`attention`, and the Q/K
+    projections between run as a graph of their own while V's exchange is in flight.
     """
-    if torch.compiler.is_dynamo_compiling() and not in_graph(exchanger, layer):
+    if not exchanger.ring_on_host:
+        if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
+            return vmajor_graph.start_v(exchanger, layer, value, label)
+        if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
+            return ulysses_collectives.start_v(exchanger, value, label)
+    if torch.compiler.is_dynamo_compiling():
         return OnHost(_start_on_host(exchanger, value, label=label, layer=layer))
-    if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
-        return vmajor_graph.start_v(exchanger, layer, value, label)
-    if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
-        return ulysses_collectives.start_v(exchanger, value, label)
     return ulysses_handles.start_v(exchanger, value, label, layer)
 
 
 _start_on_host = torch.compiler.disable(start_input_exchange)
-
-
-def in_graph(exchanger: Exchanger, layer: policy.Layer | None) -> bool:
-    """Whether a compiled graph holds a V-First layer's exchanges: exact ones, fp8 on the wire and
-    top-k V-Major's (static shapes), unless V-Major runs on the ring's K/V. There the graph breaks at
-    the ring attention and dynamo traces the layer's pieces as frames of their own, with dynamic
-    sizes after the second block type, which an exchange's route cannot be fixed for; and V-Major's
-    other policies choose their counts from the data or the step, which a graph cannot fix when it
-    is traced without carrying one request's measurements into the next."""
-    if exchanger.ring_on_host:
-        return False
-    return vmajor_graph.applies(exchanger, layer) if layer is not None else ulysses_collectives.applies(exchanger, None)
 
 
 class OnHost:

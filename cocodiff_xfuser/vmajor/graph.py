@@ -27,7 +27,7 @@ Scopes, residual dtypes, warm-up, refresh and the first step follow
 threshold) or on the step (schedule) cannot be fixed before a graph is traced without carrying one
 request's measurements into the next: those policies, auto, V-Major on the ring's K/V and fp8 on the
 wire take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`), which a compiled job
-runs between its graphs (:func:`cocodiff_xfuser.processors.ulysses.in_graph`).
+runs between its graphs (:func:`cocodiff_xfuser.processors.ulysses.start_input_exchange`).
 """
 
 from __future__ import annotations

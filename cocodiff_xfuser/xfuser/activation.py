@@ -8,7 +8,6 @@ import importlib.metadata
 import logging
 import math
 import types
-import weakref
 
 import torch
 
@@ -217,9 +216,6 @@ def _adapt(pipe, transformers: list) -> None:
         job.end()
         use_patches(_compiled())
         return
-    if _compiled():
-        for transformer in transformers:
-            _count_graph_calls(transformer)
     if exchanger.options.v_first or uneven is not None:
         if uneven is not None:
             _check_padding_possible(uneven)
@@ -239,7 +235,7 @@ def _adapt(pipe, transformers: list) -> None:
 
 def _say_host_layers(exchanger, v_major) -> None:
     """One line where a compiled job's V-Major layers run their exchanges between graphs
-    (:func:`cocodiff_xfuser.processors.ulysses.in_graph`)."""
+    (:func:`cocodiff_xfuser.processors.ulysses.start_input_exchange`)."""
     if exchanger.ring_on_host:
         what = "V-Major on the ring's K/V runs host code per ring attention"
     elif v_major.policy != "top-k":
@@ -248,25 +244,6 @@ def _say_host_layers(exchanger, v_major) -> None:
         return
     logger.warning("cocodiff: %s: under torch.compile its layers' exchanges run between graphs "
                    "(top-k keeps them in the graph)", what)
-
-
-# The transformers whose calls replay their graphs' counts (hooked once, however often xfuser adapts them).
-_replaying: weakref.WeakSet = weakref.WeakSet()
-
-
-def _count_graph_calls(transformer: torch.nn.Module) -> None:
-    """Compiled, a transformer's graphs count nothing when they run: after each call, the host counts
-    what its graph counted when it was traced (:func:`cocodiff_xfuser.commstats.call_ended`)."""
-    if transformer in _replaying:
-        return
-    _replaying.add(transformer)
-
-    @torch.compiler.disable  # on the host, between the transformer's graphs
-    def after(module, args, kwargs, output) -> None:
-        # What selects the call's graph: its module and its inputs' shapes.
-        commstats.call_ended((id(module), *[v.shape for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]))
-
-    transformer.register_forward_hook(after, with_kwargs=True)
 
 
 def _compiled() -> bool:
