@@ -106,9 +106,13 @@ def traced(name: str, *args: object) -> None:
 @compat.trace_time
 def _record(name: str, args: tuple) -> int:
     """Count ``name(*args)`` in the tally of the graph being traced; its slot where this is the
-    graph's first count (the graph then counts its runs), else -1."""
+    graph's first count (the graph then counts its runs), else -1 (and where a graph break left
+    this call to run, not traced: counted now)."""
     global _tracing, _graph_calls, _ran
     graph = compat.traced_graph()
+    if graph is None:  # run after a graph break, not traced: counted now
+        globals()[name](*args)
+        return -1
     first = _tracing is None or _tracing[0] is not graph
     if first:
         if _graph_calls is None:

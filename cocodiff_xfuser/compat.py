@@ -87,11 +87,16 @@ def trace_time(fn: Callable) -> Callable:
     return torch_private("torch._dynamo", "assume_constant_result")(fn)
 
 
-def traced_graph() -> object:
+def traced_graph() -> object | None:
     """At trace time (:func:`trace_time`), the graph dynamo is building: one object per attempt at
-    a frame (an attempt that restarts builds another), shared by the functions it inlines."""
+    a frame (an attempt that restarts builds another), shared by the functions it inlines. None
+    where nothing is traced: a graph break (arguments dynamo cannot make constants, such as dynamic
+    sizes) left the call to run."""
     translator = torch_private("torch._dynamo.symbolic_convert", "InstructionTranslator")
-    return translator.current_tx().output
+    try:
+        return translator.current_tx().output
+    except AttributeError:  # no translator on this thread
+        return None
 
 
 def trace_time_method(method: Callable) -> Callable:

@@ -45,3 +45,23 @@ def test_a_compiled_graph_counts_its_runs_per_graph_across_recompiles():
     finally:
         torch._dynamo.reset()
         commstats.reset_ran()
+
+
+def test_a_count_that_a_graph_break_leaves_to_run_is_counted_then():
+    # Sizes dynamo makes dynamic cannot be a trace-time constant: the count breaks the graph, and the
+    # call runs, counted as eager code counts.
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        commstats.traced("count_exchange", "flat", "dynamic", x.shape[0], x.shape[0])
+        return x + 1
+
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=True)
+    torch._dynamo.reset()
+    commstats.reset_ran()
+    try:
+        for n in (3, 4, 5):
+            compiled(torch.ones(n))
+        ran = commstats.ran()
+        assert ran["labels"] == {"dynamic": 3} and ran["slow_link_bytes"] == 12, ran
+    finally:
+        torch._dynamo.reset()
+        commstats.reset_ran()
