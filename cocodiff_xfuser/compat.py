@@ -21,17 +21,18 @@ from typing import Any, Callable
 TESTED_XFUSER_VERSION = "0.7.0"
 TESTED_TORCH_VERSION = "2.13.0"
 
-_USP = "xfuser.model_executor.layers.usp"
+#: xfuser's Ulysses module.
+USP = "xfuser.model_executor.layers.usp"
 #: torch's ring attention, which xfuser's ``ring_attn`` runs (``_templated_ring_attention``).
 RING_ATTENTION = "torch.distributed.tensor.experimental._context_parallel._attention"
 _TRANSFORMERS = "xfuser.model_executor.models.transformers"
 
 #: Private xfuser names read by cocodiff at run time, as (module, name).
 PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
-    (_USP, "_concat_joint_tensor"),
-    (_USP, "_preprocess_joint_tensors"),
-    (_USP, "_trim_trailing_kv_padding"),
-    (_USP, "_get_attention_function"),
+    (USP, "_concat_joint_tensor"),
+    (USP, "_preprocess_joint_tensors"),
+    (USP, "_trim_trailing_kv_padding"),
+    (USP, "_get_attention_function"),
     ("xfuser.model_executor.layers.attention_processor", "_joint_sp_padding_attention_kwargs"),
     (f"{_TRANSFORMERS}.transformer_flux", "_HAS_FLYDSL"),
     (f"{_TRANSFORMERS}.transformer_flux2", "_HAS_FLYDSL"),
@@ -39,9 +40,9 @@ PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     (f"{_TRANSFORMERS}.transformer_wan", "_HAS_FLYDSL"),
     ("xfuser.model_executor.models.runner_models.wan", "_build_attention_kwargs"),  # the tiny Wan (tools/)
     # Stock's Ulysses exchanges, timed by ``cocodiff bench host`` (tools/) for stock's host time.
-    (_USP, "_combined_qkv_all_to_all"),
-    (_USP, "_ft_c_input_all_to_all"),
-    (_USP, "_ft_c_output_all_to_all"),
+    (USP, "_combined_qkv_all_to_all"),
+    (USP, "_ft_c_input_all_to_all"),
+    (USP, "_ft_c_output_all_to_all"),
     # The runtime state of a transformer run without a pipeline (tools/xfuser_state.py).
     ("xfuser.core.distributed.runtime_state", "_RUNTIME"),
 )
@@ -218,7 +219,7 @@ def set_private(module: str, name: str, value: Any) -> None:
 
 def usp(name: str) -> Any:
     """A private helper of xfuser's Ulysses module (``usp._concat_joint_tensor``...)."""
-    return private(_USP, name)
+    return private(USP, name)
 
 
 #: The families whose xfuser modules may fuse QK-norm and RoPE (FlyDSL).

@@ -76,7 +76,9 @@ class Streams:
         return tuple(runs)
 
 
-_streams: Streams | None = None
+#: The running forward's padded token streams (None: its tokens are not padded); callers that count
+#: per exchange read it to skip :func:`count` where nothing is padded (a Python call per exchange).
+running: Streams | None = None
 # Whether a forward padded tokens since the last clear (what a step clock checks around a call).
 # Written by traced code, read only on the host: a traced read would guard its value, which
 # changes per forward, and the transformer would be traced again for every call.
@@ -87,13 +89,13 @@ _uneven_heads: str | None = None  # the loaded model's heads over the degree, wh
 @contextlib.contextmanager
 def tokens(streams: Streams) -> Iterator[None]:
     """While a padded forward runs: attention drops the padded keys (:func:`keep_keys`)."""
-    global _streams, _padded
-    previous, _streams = _streams, streams
+    global running, _padded
+    previous, running = running, streams
     _padded = True
     try:
         yield
     finally:
-        _streams = previous
+        running = previous
 
 
 def clear_padded() -> None:
@@ -109,7 +111,7 @@ def tokens_were_padded() -> bool:
 
 def tokens_padded() -> bool:
     """Whether a forward with padded tokens is running."""
-    return _streams is not None
+    return running is not None
 
 
 def set_uneven_heads(description: str | None) -> None:
@@ -121,28 +123,28 @@ def set_uneven_heads(description: str | None) -> None:
 def required() -> str | None:
     """What needs cocodiff's padded exchange right now (heads or tokens), or None: then a layer
     must not take the stock path, which cannot split them."""
-    if _streams is not None:
-        return f"{_streams.lengths} tokens padded to the degree {_streams.world}"
+    if running is not None:
+        return f"{running.lengths} tokens padded to the degree {running.world}"
     return _uneven_heads
 
 
 def kept_tokens(exchanged: int) -> int:
     """How many of ``exchanged`` head-sharded tokens :func:`keep_keys` keeps: the real ones of the
     running forward's padded streams, else all."""
-    return exchanged if _streams is None else sum(real for real, _ in _streams.lengths)
+    return exchanged if running is None else sum(real for real, _ in running.lengths)
 
 
 def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Head-sharded ``[b, h/W, W*s, d]`` K and V without the padded tokens of the running forward."""
-    if _streams is None:
+    if running is None:
         return key, value
-    if key.shape[2] != _streams.world * _streams.local:
+    if key.shape[2] != running.world * running.local:
         user_error(
-            f"cocodiff: padded tokens of a {_streams.world}-way Ulysses forward, but an attention layer sees "
-            f"{key.shape[2]} keys instead of {_streams.world * _streams.local}; this model's sequence layout "
+            f"cocodiff: padded tokens of a {running.world}-way Ulysses forward, but an attention layer sees "
+            f"{key.shape[2]} keys instead of {running.world * running.local}; this model's sequence layout "
             f"is not supported with padding: choose a resolution and text length divisible by the degree"
         )
-    runs = _streams.kept()
+    runs = running.kept()
     # [b, h/W, W*s, d] -> [b, h/W, real tokens, d]: one copy of each, as an index_select would make
     key = torch.cat([key.narrow(2, first, count) for first, count in runs], 2)
     value = torch.cat([value.narrow(2, first, count) for first, count in runs], 2)
@@ -171,7 +173,7 @@ def count(nbytes: int, heads: int, padded_heads: int) -> None:
     """Count the padding's share of an exchange of ``nbytes``: ``padded_heads`` heads, of which
     ``heads`` are real, and the padded tokens of the running forward (in traced code, per graph run)."""
     real = heads / padded_heads
-    if _streams is not None:
-        real *= sum(r for r, _ in _streams.lengths) / sum(p for _, p in _streams.lengths)
+    if running is not None:
+        real *= sum(r for r, _ in running.lengths) / sum(p for _, p in running.lengths)
     if real < 1:
         commstats.traced("count_padding", round(nbytes * (1 - real)))

@@ -125,7 +125,7 @@ def attention(
     key, value = padding.keep_keys(key, value)  # the running forward's padded tokens, if any
     if attention_kwargs:  # (without them stock's trim returns K and V as they are)
         key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-    out = _attend(compat.usp("_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
+    out = _attend(compat.private(compat.USP, "_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
     return path.output(pending, out, head_count)
 
 
