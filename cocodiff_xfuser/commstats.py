@@ -80,7 +80,8 @@ _ran = _Ran()
 # (:func:`traced`), once per graph, and how often the graph ran it counts itself on the device.
 #: Per counting graph (its slot of :data:`_graph_calls`): what one of its runs counts.
 _tallies: list[_Ran] = []
-#: The graph being traced (:func:`cocodiff_xfuser.compat.traced_graph`) and its slot, where it counts.
+#: The graph being traced (:func:`cocodiff_xfuser.compat.traced_graph`; the object, not its id, which
+#: a later graph could reuse) and its slot, where it counts.
 _tracing: tuple[object, int] | None = None
 #: Per counting graph, its runs: a device tensor the graphs update in place (static: CUDA graph
 #: trees let them), read where the counts are (:func:`ran`). None until a graph counts.
@@ -119,8 +120,8 @@ def _record(name: str, args: tuple) -> int:
             _graph_calls = torch.zeros(GRAPH_SLOTS, dtype=torch.int64, device=detect().current_device())
             compat.mark_static(_graph_calls)
         if len(_tallies) == GRAPH_SLOTS:
-            logging.getLogger("cocodiff_xfuser").warning("cocodiff: more than %d counting graphs: the newest share the "
-                                                         "last one's counts", GRAPH_SLOTS)
+            logging.getLogger("cocodiff_xfuser").warning("cocodiff: more than %d compiled graphs count what they run: "
+                                                         "the newest replaces the last one's counts", GRAPH_SLOTS)
             _tallies[-1] = _Ran()
         else:
             _tallies.append(_Ran())

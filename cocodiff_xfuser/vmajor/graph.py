@@ -48,8 +48,9 @@ _wait_tensor = compat.torch_private("torch.distributed._functional_collectives",
 
 def applies(exchanger, layer: policy.Layer | None) -> bool:
     """Whether ``layer``'s calls take this path: a Ulysses layer whose group crosses nodes, a count
-    fixed by the settings (top-k), no V-Major on the ring (a ring inside nodes is stock's), values exchanged as they are (no fp8). Padded tokens are
-    zeros that never change: never selected, and cut from K and V as the exact path cuts them."""
+    fixed by the settings (top-k), no V-Major on the ring's K/V (host code per ring attention), values
+    exchanged as they are (no fp8). Padded tokens are zeros that never change: never selected, and
+    cut from K and V as the exact path cuts them."""
     return (layer is not None and isinstance(layer.settings.rule, TopK) and not exchanger.ring_on_host
             and exchanger.options.compress == "none" and exchanger.slow_level is not None
             and exchanger.slow_level.exists)
