@@ -216,9 +216,9 @@ def ran() -> dict:
     rode with Q/K), ``kernels``: launches of V-Major's Triton kernels by name, and
     ``v_major_s``: the host time of V-Major's bookkeeping (selection, references, residuals; on a
     GPU the time to queue that work, which the device runs asynchronously)."""
-    graphs = _graph_counts()
-    reports = [_report(counts) for counts in (_ran, graphs)]
-    return reports[0] if not _tallies else sum_ran(reports)
+    if not _tallies:  # no compiled graph counts: no device counters to read
+        return _report(_ran)
+    return sum_ran([_report(_ran), _report(_graph_counts())])
 
 
 def _report(counts: _Ran) -> dict:

@@ -801,8 +801,8 @@ def _gpu_v_major(run: "gpu_model.Run", layout: "gpu_model.Layout", c: "gpu_model
 def _gpu_row(layout: "gpu_model.Layout", backend: str, parts: dict, steps: int, fixed: float) -> dict:
     # PipeFusion's stale activations make any backend's images lossy.
     return {"name": layout.name, "backend": backend, "lossy": layout.pipefusion > 1, "psnr_db": None,
-            "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg, "pipefusion": layout.pipefusion, "validated": gpu_model.validated(layout), "step_s": parts["step_s"],
-            "total_s": steps * parts["step_s"] + fixed,
+            "ulysses": layout.ulysses, "ring": layout.ring, "cfg": layout.cfg, "pipefusion": layout.pipefusion,
+            "validated": gpu_model.validated(layout), "step_s": parts["step_s"], "total_s": steps * parts["step_s"] + fixed,
             "parts": {k: v for k, v in parts.items() if k != "step_s"}}
 
 
