@@ -658,6 +658,8 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
     if not rows:
         raise ValueError(f"no ulysses x ring x cfg factorization of {W} ranks fits {spec.name}")
     rows.sort(key=lambda r: r["step_s"])
+    pipefusion = pipefusion_rows(spec, full, c, size=size, frames=frames, batch=batch, steps=steps, tflops=tf,
+                                 host_s=layers * host["stock"])
     best = rows[0]
     best_stock = min(rows, key=lambda r: r["stock_step_s"])
     # Stock where cocodiff's predicted step, its own host time included, is no shorter.
@@ -680,8 +682,51 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
                             **{k: chosen[k] for k in ("ulysses", "ring", "cfg")}},
             "best_stock": best_stock,
             "speedup_vs_best_stock": best_stock["stock_step_s"] / min(best["step_s"], best_stock["stock_step_s"]),
+            "pipefusion": pipefusion,
             "v_major": v_major_plan(spec, full, c, rows, cluster, size=size, frames=frames, batch=batch, steps=steps,
                                     tflops=tf)}
+
+
+def pipefusion_rows(spec: ModelSpec, full: Cluster, c: Coeffs, *, size: int, frames: int, batch: int, steps: int,
+                    tflops: float, host_s: float) -> List[dict]:
+    """Stock PipeFusion's layouts, fastest first: Ulysses inside (stock's exchange on its group) x
+    ``P`` stages over the rest (and CFG parallel where the model has it), priced as :mod:`.gpu_model`
+    prices them: a stage computes and exchanges 1/P of the layers for every patch, the pipeline's
+    fill costs (P - 1) / P of one step over the run, and each step a rank passes its patches'
+    activations to the next stage across the span of the stages (all of it where that is a node
+    link: the stages' patches leave one after another). Lossy (stale activations): each row carries
+    PipeFusion's measured PSNR at its stage count (:data:`PIPEFUSION_RUN`), None where unmeasured."""
+    if not spec.pipefusion:
+        return []
+    img, txt = spec.tokens(size, frames)
+    quality = pipefusion_measured()
+    D = spec.heads * spec.head_dim
+    out = []
+    for C in ([1, 2] if spec.cfg and full.world % 2 == 0 else [1]):
+        for P in gpu_model.divisors(full.world // C):
+            U = full.world // C // P
+            if P == 1 or P > spec.layers or spec.heads % U:
+                continue
+            try:
+                group, span = full.subgroup(U), full.subgroup(U * P)
+            except ValueError:
+                continue
+            stock = predict_step(spec, group, c, algorithm="flat", size=size, frames=frames, batch=batch, ulysses=U,
+                                 cfg_parallel=C == 2, steps=steps, tflops=tflops)
+            b = batch * (2 if spec.cfg and C == 1 else 1)
+            compute = b * sum(n * layer_flops(spec, s, s / U) for n, s in
+                              ((n, img + (txt if j else 0)) for n, j in spec.attn)) / (tflops * 1e12) / P
+            comm = stock["comm_s"] / P
+            link = span.levels[0] if span.levels else None
+            send_bytes = b * (img + txt) / U * D * spec.dtype_bytes
+            send = send_bytes / link.Bps + link.latency_s if link is not None and link.Bps else 0.0
+            pipe = (compute + comm) * (P - 1) / (P * steps) + send
+            name = f"U{U}xPF{P}" + ("xC2" if C == 2 else "")
+            out.append({"name": name, "ulysses": U, "pipefusion": P, "cfg": C, "compute_s": compute, "comm_s": comm,
+                        "pipefusion_s": pipe, "host_s": host_s, "step_s": compute + comm + pipe + host_s,
+                        "send_bytes_per_step": send_bytes, "send_link": link.name if link is not None else None,
+                        "psnr_db": quality.get(P)})
+    return sorted(out, key=lambda r: r["step_s"])
 
 
 def plan_gpu(model: str, size: int, *, gpu: str, mode: str, gpus_per_node: int, nodes: int, height: Optional[int] = None,
@@ -1026,6 +1071,7 @@ def run_cli(args: argparse.Namespace) -> int:
           f"is predicted at {rep['speedup_vs_best_stock']:.2f}x its step")
     why = " (stock: cocodiff's predicted step, its host time included, is no shorter)" if rep["recommended"]["backend"] == "stock" else ""
     print(f"recommended: {rep['recommended']['flags']}{why}")
+    _print_pipefusion(rep)
     vm = rep["v_major"]
     if vm is None:
         return 0
@@ -1036,6 +1082,16 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"optional, lossy: {what} (comm {vm['comm_s'] * 1e3:.2f} ms/step; {vm['note']})" if vm["recommended"]
           else f"V-Major {vm['note']}")
     return 0
+
+
+def _print_pipefusion(rep: dict) -> None:
+    """Stock PipeFusion's layouts against the best stock (lossless) layout's predicted step."""
+    best = rep["best_stock"]["stock_step_s"]
+    for r in rep["pipefusion"]:
+        quality = "unmeasured" if r["psnr_db"] is None else f"{r['psnr_db']:.1f} dB measured on digits-flux"
+        print(f"stock PipeFusion {r['name']:10s} (lossy) step {r['step_s'] * 1e3:8.2f} ms = {best / r['step_s']:.2f}x the "
+              f"best stock layout (pipeline {r['pipefusion_s'] * 1e3:.2f} ms: fill and "
+              f"{r['send_bytes_per_step'] / 2**20:.2f} MiB/step to the next stage; {quality})")
 
 
 def _print_published(rep: dict) -> None:

@@ -351,3 +351,22 @@ def test_the_ranking_marks_the_best_stock_layout(capsys):
     out = capsys.readouterr().out.splitlines()
     assert sum(line.endswith("<- best stock layout") for line in out) == 1
     assert any(line.startswith("best stock layout: --ulysses_degree") for line in out)
+
+
+def test_pipefusion_layouts_are_priced_beside_the_exact_ones_with_their_measured_quality(capsys):
+    """On an emulated 2x2 cluster (links slow enough that sends matter), stock PipeFusion's layouts are
+    listed, fastest first, each at the PSNR the shipped sweep measured for its stage count; a stage's
+    compute is 1/P of the layers, and its sends cross nodes where the stages span them."""
+    rep = plan.plan("digits-flux", 64, cluster="aurora-like", nodes=2, local=2, steps=16)
+    rows = {r["name"]: r for r in rep["pipefusion"]}
+    assert set(rows) == {"U2xPF2", "U1xPF4"}
+    assert [r["step_s"] for r in rep["pipefusion"]] == sorted(r["step_s"] for r in rep["pipefusion"])
+    measured = plan.pipefusion_measured()
+    assert all(r["psnr_db"] == measured.get(r["pipefusion"]) for r in rows.values()) and rows["U2xPF2"]["psnr_db"] > 30
+    u4 = next(r for r in rep["ranked"] if (r["ulysses"], r["ring"]) == (4, 1))
+    assert rows["U1xPF4"]["compute_s"] == pytest.approx(u4["compute_s"])  # 1/4 of the layers at all the tokens
+    assert rows["U2xPF2"]["send_link"] == rows["U1xPF4"]["send_link"] == "node" and rows["U1xPF4"]["comm_s"] == 0
+    assert plan.plan("wan2.1-14b", 720, cluster="dgx-h100", nodes=2)["pipefusion"] == []  # not xfuser's for Wan
+    cli.main(["plan", "--model", "digits-flux", "--size", "64", "--cluster", "aurora-like", "--nodes", "2", "--local", "2"])
+    out = capsys.readouterr().out
+    assert "stock PipeFusion U2xPF2" in out and "stock PipeFusion U1xPF4" in out

@@ -71,12 +71,15 @@ def test_the_frontier_is_the_points_nothing_dominates():
     assert not quality._dominates(fp8, fp8)  # a point does not dominate itself
 
 
-def test_pipefusion_runs_a_stage_per_node_under_ulysses_inside_each():
+def test_pipefusion_runs_from_a_stage_per_node_to_a_stage_per_rank():
     run = quality.Run("digits-flux", 4, topology="2x2", steps=16, extra=("--cocodiff-v-major", "on"))
-    piped = quality.pipefusion_run(run)
-    assert (piped.ulysses_degree, piped.pipefusion, piped.world_size, piped.topology) == (2, 2, 4, "2x2")
-    assert piped.extra == run.extra and piped.steps == 16  # the same images, as the sweep's other points
-    assert quality.pipefusion_run(quality.Run("digits-flux", 4, topology="1x4")) is None
+    per_node, per_rank = quality.pipefusion_runs(run)
+    assert (per_node.ulysses_degree, per_node.pipefusion, per_node.world_size, per_node.topology) == (2, 2, 4, "2x2")
+    assert (per_rank.ulysses_degree, per_rank.pipefusion, per_rank.world_size) == (1, 4, 4)
+    assert per_node.extra == run.extra and per_node.steps == 16  # the same images, as the sweep's other points
+    assert quality.pipefusion_runs(quality.Run("digits-flux", 4, topology="1x4")) == []
+    # digits-flux has 6 transformer blocks: no more stages than that
+    assert [r.pipefusion for r in quality.pipefusion_runs(quality.Run("digits-flux", 8, topology="4x2"))] == [4]
 
 
 @pytest.mark.distributed
@@ -89,7 +92,7 @@ def test_a_pipefusion_point_is_measured_against_the_exact_exchange(tmp_path):
     cases = [["digit 3", 0], ["digit 7", 0]]
     results = quality._generate(run, cases, {quality.V_FIRST: {"sp_backend": "cocodiff", "cocodiff_v_first": True}}, 600, False)
     exact = results[quality.V_FIRST]["ran"]["slow_link_bytes_exact"]
-    point = quality._pipefusion_point(quality.pipefusion_run(run), cases, results["ulysses"], exact, 600, False)
+    point = quality._pipefusion_point(quality.pipefusion_runs(run)[0], cases, results["ulysses"], exact, 600, False)
     assert point["name"] == "stock PipeFusion U2xPF2" and point["settings"] == {"layout": "U2xPF2"}
     assert 0 < point["slow_link_bytes"] < exact and point["slow_link_bytes_saved_fraction"] == 1 - point["slow_link_bytes"] / exact
     assert 20 < point["psnr_db"] < math.inf and len(point["image_psnr_db"]) == 2

@@ -444,6 +444,24 @@ def save_bf16_exact(pipe, path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def transformer_blocks(path: str | Path) -> int:
+    """The transformer blocks of the model saved at ``path`` (FLUX's double and single ones): the
+    most PipeFusion stages it splits into."""
+    config = json.loads((Path(path) / "transformer" / "config.json").read_text())
+    return config["num_layers"] + config.get("num_single_layers", 0)
+
+
+def _spread_stages(pp_config, path: str) -> None:
+    """xfuser 0.7.0's FLUX.1 wrapper gives each PipeFusion stage ceil(blocks / stages) blocks; where
+    that leaves the last stage none (digits-flux's 6 blocks over 4 stages), the stage before takes
+    itself for the last and sends no text stream, and the pipeline fails. FLUX.2's wrapper asks
+    ``is_pipeline_last_stage()`` instead. Such a split is given explicitly, as a user would with
+    xfuser's ``attn_layer_num_for_pp``: the blocks spread evenly, the first stages one more."""
+    blocks, stages = transformer_blocks(path), pp_config.pp_degree
+    if pp_config.attn_layer_num_for_pp is None and (stages - 1) * -(-blocks // stages) >= blocks:
+        pp_config.attn_layer_num_for_pp = [blocks // stages + (i < blocks % stages) for i in range(stages)]
+
+
 def _absent_components(path: str) -> dict:
     """Components saved as absent (text encoders, tokenizers): diffusers wants them passed as None."""
     index = json.loads((Path(path) / "model_index.json").read_text())
@@ -573,6 +591,7 @@ def _runner_class(spec: TinySpec, base_model) -> type:
                 from xfuser.model_executor.pipelines.pipeline_flux import xFuserFluxPipeline
 
                 wrapper = xFuserFluxPipeline
+                _spread_stages(self.engine_config.parallel_config.pp_config, path)
             if issubclass(wrapper, xFuserPipelineBaseWrapper):
                 # xfuser's SD3 runner path: the pipeline wrapper converts the transformer itself
                 # (when any parallelism is on) and runs its own denoising loop.
