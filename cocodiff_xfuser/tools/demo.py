@@ -21,9 +21,9 @@ TIMEOUT_S = 900.0
 CLUSTER = "aurora-like"
 CLUSTER_PARAMS = {"tile_nic_share_bps": 1e7}
 #: What it runs (stock Ulysses over all ranks always runs): the layouts xDiT advises across nodes
-#: (Ring, and PipeFusion: lossy), and cocodiff's lossless (with stock's processors, and with V-First)
-#: and lossy stacks.
-CLUSTER_CONFIGS = ("stock U2xR2", "stock U2xPF2", "tapa U4", "tapa+vfirst U4", "tapa+vfirst+vmajor U4")
+#: (Ring, and PipeFusion at 2 and 4 stages: lossy), and cocodiff's lossless (with stock's
+#: processors, and with V-First) and lossy stacks.
+CLUSTER_CONFIGS = ("stock U2xR2", "stock U2xPF2", "stock U1xPF4", "tapa U4", "tapa+vfirst U4", "tapa+vfirst+vmajor U4")
 #: Timed calls per configuration, after a warm-up (their median).
 CLUSTER_REPEAT = 3
 CLUSTER_COMMAND = (f"sudo .venv/bin/cocodiff bench e2e --fabric {CLUSTER} --model {digits.NAME} --size {digits.SIZE} "

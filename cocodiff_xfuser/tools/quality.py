@@ -347,9 +347,8 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
     not_run = None
     if sweep == "frontier":
         not_run = tiny_models.SPECS[run.model].pipefusion_absent
-        if not_run is None:
-            exact = results[V_FIRST]["ran"]["slow_link_bytes_exact"]
-            rows += [_pipefusion_point(piped, cases, results["ulysses"], exact, timeout, progress) for piped in pipefusion_runs(run)]
+        exact = results[V_FIRST]["ran"]["slow_link_bytes_exact"]
+        rows += [_pipefusion_point(piped, cases, results["ulysses"], exact, timeout, progress) for piped in pipefusion_runs(run)]
     for row in rows:
         row["on_frontier"] = not any(_dominates(other, row) for other in rows)
     summary = {"model": run.model, "ulysses_degree": run.ulysses_degree, "topology": run.topology,
@@ -363,14 +362,12 @@ def sweep_v_major(run: Run, prompts: Sequence[str], seeds: Sequence[int], out: P
 
 
 def pipefusion_runs(run: Run) -> list[Run]:
-    """Stock PipeFusion on ``run``'s ranks as xDiT places it where links are slow, at every stage
-    count from one stage per node of ``run``'s topology to one per rank (or per transformer block),
-    under Ulysses over the rest (none on one node): its quality depends on the stage count, which a
-    planner of more nodes needs."""
+    """Stock PipeFusion on ``run``'s ranks at every stage count xDiT would place there
+    (:func:`~cocodiff_xfuser.tools.models.tiny.pipefusion_stages`): its quality depends on the stage
+    count, which a planner of more nodes needs."""
     nodes = Topology.parse(run.topology).validate(run.world_size).sizes[0]
-    most = min(run.world_size, tiny_models.transformer_blocks(tiny_models.ensure_fixture(run.model)))
-    stages = [p for p in range(nodes, most + 1) if nodes > 1 and run.world_size % p == 0 and p % nodes == 0]
-    return [dataclasses.replace(run, ulysses_degree=run.world_size // p, ring_degree=1, cfg=False, pipefusion=p) for p in stages]
+    return [dataclasses.replace(run, ulysses_degree=run.world_size // p, ring_degree=1, cfg=False, pipefusion=p)
+            for p in tiny_models.pipefusion_stages(run.model, nodes, run.world_size)]
 
 
 def _pipefusion_point(run: Run, cases: list, stock: dict, exact: int, timeout: float, progress: bool) -> dict:

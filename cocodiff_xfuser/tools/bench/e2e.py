@@ -3,8 +3,9 @@
 The stock layouts an informed user runs on the same ranks come first: Ulysses over all ranks (the
 CoCoDiff paper's baseline), Ulysses inside the node x Ring across nodes (what xDiT and SGLang
 advise), Ulysses x CFG parallel across nodes (models with true classifier-free guidance), and
-Ulysses inside the node x PipeFusion across nodes (xDiT's own answer to slow links between nodes,
-through xfuser's pipeline wrapper; lossy: stale activations, its quality measured as V-Major's).
+PipeFusion across nodes under Ulysses inside them, at every stage count from one per node to one per
+rank (xDiT's own answer to slow links between nodes, through xfuser's pipeline wrapper; lossy: stale
+activations, more with more stages, its quality measured as V-Major's).
 The fastest stock layout, PipeFusion included, is the headline's denominator; stock's algorithm on the fair flat
 exchange (what the backend's own all-to-all does; on ``rail``, what NCCL's PXN does) and stock
 Ulysses over all ranks are reported beside it. cocodiff's mechanisms run on Ulysses over all ranks,
@@ -128,7 +129,7 @@ def stock_layouts(model: str, nodes: int, local: int) -> tuple[list[Layout], lis
     else:
         absent.append("Ulysses x CFG: the model has no true classifier-free guidance (no two batch halves to split)")
     if nodes > 1 and tiny_models.SPECS[model].pipefusion_absent is None:
-        layouts.append(Layout(local, pipefusion=nodes))
+        layouts += [Layout(world // p, pipefusion=p) for p in tiny_models.pipefusion_stages(model, nodes, world)]
     elif nodes > 1:
         absent.append(f"PipeFusion: {tiny_models.SPECS[model].pipefusion_absent}")
     return layouts, absent

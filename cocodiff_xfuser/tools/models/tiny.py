@@ -451,6 +451,17 @@ def transformer_blocks(path: str | Path) -> int:
     return config["num_layers"] + config.get("num_single_layers", 0)
 
 
+def pipefusion_stages(name: str, nodes: int, world: int) -> list[int]:
+    """The PipeFusion stage counts of model ``name`` on ``nodes`` nodes of ``world`` ranks in all, as
+    xDiT places PipeFusion where links are slow: from a stage per node to a stage per rank (or per
+    transformer block), multiples of the node count, under Ulysses over the rest; none on one node
+    or where xfuser runs no PipeFusion for the model (:attr:`TinySpec.pipefusion_absent`)."""
+    if nodes == 1 or SPECS[name].pipefusion_absent is not None:
+        return []
+    most = min(world, transformer_blocks(ensure_fixture(name)))
+    return [p for p in range(nodes, most + 1) if world % p == 0 and p % nodes == 0]
+
+
 def _spread_stages(pp_config, path: str) -> None:
     """xfuser 0.7.0's FLUX.1 wrapper gives each PipeFusion stage ceil(blocks / stages) blocks; where
     that leaves the last stage none (digits-flux's 6 blocks over 4 stages), the stage before takes
