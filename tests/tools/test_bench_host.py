@@ -112,10 +112,11 @@ def test_python_calls_are_counted_to_the_call(operators, monkeypatch):
     from cocodiff_xfuser.comm import residuals
 
     monkeypatch.setattr(host, "KERNEL_OPS", "cocodiff_bench_kernels")
-    _, kernel = operators
+    monkeypatch.setattr(host, "COLLECTIVE_OPS", "cocodiff_bench_ops")  # as torch's functional collectives
+    collective, kernel = operators
     x = torch.ones(2)
     stood_in = host._StandIn(lambda t: _branch(), host._Timer())
-    kernel(x), kernel.default(x)  # the operator objects made before counting
+    kernel(x), kernel.default(x), collective.default(x)  # the operator objects made before counting
     bar = tqdm.tqdm(range(2), mininterval=0, disable=False)
     with host._PythonCalls() as python:
         _branch()  # 3 calls
@@ -124,7 +125,8 @@ def test_python_calls_are_counted_to_the_call(operators, monkeypatch):
         bar.update()  # a progress bar redraws by the clock: none
         kernel(x)  # 1 (the operator's Python wrapper) and, apart, its CPU kernel's 2
         kernel.default(x)  # the same through the overload
-    assert python.counts == {"all": 6, "cocodiff": 1, "in_kernel_ops": 4}
+        collective.default(x)  # 1, and its Python kernel's 2, counted among all and apart
+    assert python.counts == {"all": 9, "cocodiff": 1, "in_kernel_ops": 4, "in_collectives": 2}
 
 
 @pytest.mark.unit

@@ -98,6 +98,8 @@ COUNT_STEPS = (4, 8)
 OPERATORS = "cocodiff"
 #: V-Major's Triton operators: their CPU kernels stand for the device's work (a launch on a GPU).
 KERNEL_OPS = "cocodiff_kernels"
+#: The functional collectives' namespace: torch's Python autograd kernel of each, counted apart.
+COLLECTIVE_OPS = "_c10d_functional"
 DEFAULT_STEPS = 12
 DEFAULT_REPEAT = 5
 DEFAULT_ROUNDS = 3
@@ -173,7 +175,7 @@ def _counts(model: str, compiled: bool, out: Path, timeout: float) -> dict[str, 
         found[config] = {
             "layers_per_step": layers,
             **{f"{key}_per_layer": per_layer(config, lambda c, key=key: c[key])
-               for key in ("python_calls", "python_calls_cocodiff", "python_calls_in_kernel_ops")},
+               for key in ("python_calls", "python_calls_cocodiff", "python_calls_in_kernel_ops", "python_calls_in_collectives")},
             "torch_ops_per_layer": per_layer(config, lambda c: sum(c["torch_ops"].values())),
             "torch_ops_by_namespace_per_layer": {ns: per_layer(config, lambda c, ns=ns: c["torch_ops"].get(ns, 0)) for ns in namespaces},
             "torch_ops_in_kernel_ops_per_layer": per_layer(config, lambda c: c["in_kernel_ops"]),
@@ -257,9 +259,10 @@ def print_report(report: dict) -> None:
           + ", ".join(f"{name} <= {r:.2f}x" for name, r in t["step_ratio"].items()))
     few, many = report["count_steps"]
     print(f"\ncounted per attention layer: the last calls of a {many}- and a {few}-step job, their difference over the "
-          f"attention layers between (Python calls: in cocodiff's modules, inside {KERNEL_OPS} operators; torch operators "
+          f"attention layers between (Python calls: in cocodiff's modules, inside {KERNEL_OPS} operators, inside "
+          f"{COLLECTIVE_OPS} operators (torch's autograd kernels, among the calls); torch operators "
           f"dispatched from host code: cocodiff's, {KERNEL_OPS}', inside those; Triton launches stood in for; inductor's kernels)")
-    print(f"{'configuration':<24} {'mode':<9} {'calls':>7} {'cocodiff':>8} {'in kops':>7} {'ops':>6} {'cocodiff':>8} "
+    print(f"{'configuration':<24} {'mode':<9} {'calls':>7} {'cocodiff':>8} {'in kops':>7} {'in coll':>7} {'ops':>6} {'cocodiff':>8} "
           f"{'kops':>5} {'in kops':>7} {'launches':>8} {'inductor':>8}")
     for row in report["configs"]:
         for mode in MODES:
@@ -268,7 +271,8 @@ def print_report(report: dict) -> None:
             c = row[mode]["counts"]
             ops = c["torch_ops_by_namespace_per_layer"]
             print(f"{row['name']:<24} {mode:<9} {c['python_calls_per_layer']:>7.1f} {c['python_calls_cocodiff_per_layer']:>8.1f} "
-                  f"{c['python_calls_in_kernel_ops_per_layer']:>7.1f} {c['torch_ops_per_layer']:>6.1f} {ops.get(OPERATORS, 0):>8.1f} "
+                  f"{c['python_calls_in_kernel_ops_per_layer']:>7.1f} {c['python_calls_in_collectives_per_layer']:>7.1f} "
+                  f"{c['torch_ops_per_layer']:>6.1f} {ops.get(OPERATORS, 0):>8.1f} "
                   f"{ops.get(KERNEL_OPS, 0):>5.1f} {c['torch_ops_in_kernel_ops_per_layer']:>7.1f} {c['kernel_launches_per_layer']:>8.1f} "
                   f"{c['inductor_kernels_per_layer']:>8.1f}")
     for t in report["count_targets_met"]:
@@ -346,16 +350,19 @@ class _PythonCalls:
     """Python function calls on this thread while entered (``sys.setprofile``'s call events,
     generator resumptions included): ``all``, ``cocodiff`` (those of cocodiff's own modules) and,
     apart from both, ``in_kernel_ops`` (those inside :data:`KERNEL_OPS` operators: their CPU
-    kernels, what a Triton launch does on a GPU). This tooling's own frames are not counted, nor
-    anything under a stood-in launch (the device's work; commstats counts the launch) or under
-    tqdm's progress bar."""
+    kernels, what a Triton launch does on a GPU). ``in_collectives``, counted in ``all`` too: those
+    inside :data:`COLLECTIVE_OPS` operators, the Python autograd kernel torch registers for each
+    functional collective, which runs under ``torch.no_grad()`` as well, for stock as for cocodiff.
+    This tooling's own frames are not counted, nor anything under a stood-in launch (the device's
+    work; commstats counts the launch) or under tqdm's progress bar."""
 
     def __init__(self) -> None:
         import torch._ops
 
-        self.counts = {"all": 0, "cocodiff": 0, "in_kernel_ops": 0}
+        self.counts = {"all": 0, "cocodiff": 0, "in_kernel_ops": 0, "in_collectives": 0}
         self._operator_calls = (torch._ops.OpOverload.__call__.__code__, torch._ops.OpOverloadPacket.__call__.__code__)
-        self._inside = None  # (frame, the count its callees go to, or None) of the call in progress
+        # (frame, the count its callees go to or None, whether they count in ``all`` too) of the call in progress
+        self._inside = None
 
     def __enter__(self) -> "_PythonCalls":
         sys.setprofile(self._event)
@@ -366,24 +373,30 @@ class _PythonCalls:
 
     def _event(self, frame, event: str, arg) -> None:
         if self._inside is not None:
-            if event == "return" and frame is self._inside[0]:
+            outer, key, in_all = self._inside
+            if event == "return" and frame is outer:
                 self._inside = None
-            elif event == "call" and self._inside[1]:
-                self.counts[self._inside[1]] += 1
+            elif event == "call" and key:
+                self.counts[key] += 1
+                self.counts["all"] += in_all
             return
         if event != "call":
             return
         module = frame.f_globals.get("__name__", "")
         # tqdm redraws its progress bar by the clock: its calls would differ between runs.
         if frame.f_code is _StandIn._launch.__code__ or module.split(".")[0] == "tqdm":
-            self._inside = (frame, None)
+            self._inside = (frame, None, False)
             return
         if module.startswith(_TOOLING):
             return
         self.counts["all"] += 1
         self.counts["cocodiff"] += module.split(".")[0] == "cocodiff_xfuser"
-        if frame.f_code in self._operator_calls and str(frame.f_locals["self"]).split(".")[0] == KERNEL_OPS:
-            self._inside = (frame, "in_kernel_ops")
+        if frame.f_code in self._operator_calls:
+            namespace = str(frame.f_locals["self"]).split(".")[0]
+            if namespace == KERNEL_OPS:
+                self._inside = (frame, "in_kernel_ops", False)
+            elif namespace == COLLECTIVE_OPS:
+                self._inside = (frame, "in_collectives", True)
 
 
 def _dispatches(events) -> dict:
