@@ -692,10 +692,10 @@ def pipefusion_rows(spec: ModelSpec, full: Cluster, c: Coeffs, *, size: int, fra
     """Stock PipeFusion's layouts, fastest first: Ulysses inside (stock's exchange on its group) x
     ``P`` stages over the rest (and CFG parallel where the model has it), priced as :mod:`.gpu_model`
     prices them: a stage computes and exchanges 1/P of the layers for every patch, the pipeline's
-    fill costs (P - 1) / P of one step over the run, and each step a rank passes its patches'
-    activations to the next stage across the span of the stages (all of it where that is a node
-    link: the stages' patches leave one after another). Lossy (stale activations): each row carries
-    PipeFusion's measured PSNR at its stage count (:data:`PIPEFUSION_RUN`), None where unmeasured."""
+    fill costs (P - 1) / P of one step over the run, and each step a rank passes its activations to
+    the next stage over the slowest link the stages span (the hop that crosses nodes paces the
+    pipeline). Lossy (stale activations): each row carries PipeFusion's measured PSNR at its stage
+    count (:data:`PIPEFUSION_RUN`), None where unmeasured."""
     if not spec.pipefusion:
         return []
     img, txt = spec.tokens(size, frames)
@@ -1085,12 +1085,12 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def _print_pipefusion(rep: dict) -> None:
-    """Stock PipeFusion's layouts against the best stock (lossless) layout's predicted step."""
+    """Stock PipeFusion's layouts against the best exact stock layout's predicted step."""
     best = rep["best_stock"]["stock_step_s"]
     for r in rep["pipefusion"]:
         quality = "unmeasured" if r["psnr_db"] is None else f"{r['psnr_db']:.1f} dB measured on digits-flux"
         print(f"stock PipeFusion {r['name']:10s} (lossy) step {r['step_s'] * 1e3:8.2f} ms = {best / r['step_s']:.2f}x the "
-              f"best stock layout (pipeline {r['pipefusion_s'] * 1e3:.2f} ms: fill and "
+              f"best exact stock layout (pipeline {r['pipefusion_s'] * 1e3:.2f} ms: fill and "
               f"{r['send_bytes_per_step'] / 2**20:.2f} MiB/step to the next stage; {quality})")
 
 
