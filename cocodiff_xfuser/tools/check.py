@@ -86,8 +86,7 @@ def effective_tflops(model: str, size: int, ulysses: int, compute_s: float) -> f
     spec = plan_tool.MODELS[model]
     img, txt = spec.tokens(size)
     b = 2 if spec.cfg else 1
-    flops = b * sum(n * plan_tool.layer_flops(spec, img + (txt if j else 0), (img + (txt if j else 0)) / ulysses)
-                    for n, j in spec.attn)
+    flops = b * plan_tool.forward_flops(spec, img, txt, ulysses)
     return flops / compute_s / 1e12
 
 

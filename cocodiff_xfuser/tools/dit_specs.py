@@ -50,6 +50,13 @@ def layer_flops(spec: ModelSpec, s: float, s_local: float, head_pad: float = 1.0
     return s_local * (24 * D * D + 4 * s * D * head_pad)
 
 
+def forward_flops(spec: ModelSpec, img: float, txt: float, ranks: float, head_pad: float = 1.0) -> float:
+    """FLOPs of one transformer forward of one batch element per rank: every attention layer over
+    its sequence (the text joins where the layer is joint), its tokens split over ``ranks``."""
+    return sum(n * layer_flops(spec, img + (txt if joint else 0), (img + (txt if joint else 0)) / ranks, head_pad)
+               for n, joint in spec.attn)
+
+
 _DIFFUSERS = "diffusers 0.42.1's defaults for"
 MODELS: Dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("flux-dev", 24, 128, ((57, True),), 512, 16, flux=True, vae="flux", pipefusion=True, source=(

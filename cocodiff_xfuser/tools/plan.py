@@ -57,7 +57,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from cocodiff_xfuser.shipped import RESULTS
 from cocodiff_xfuser.tools import gpu_model
-from cocodiff_xfuser.tools.dit_specs import MODELS, ModelSpec, layer_flops
+from cocodiff_xfuser.tools.dit_specs import MODELS, ModelSpec, forward_flops, layer_flops
 from cocodiff_xfuser.tools.fabric import PRESETS as FABRICS, Fabric
 
 RESULTS_DIR = RESULTS  # installed with the package (cocodiff_xfuser/shipped.py)
@@ -638,8 +638,7 @@ def plan(model: str, size: int, *, cluster: Optional[str], nodes: int, local: Op
                     ring_v_major_s = ring_exposed(v_major_scale(spec, ring_active, steps))
             b = batch * (2 if spec.cfg and C == 1 else 1)
             pad = math.ceil(spec.heads / U) * U / spec.heads
-            seqs = [(n, img + (txt if j else 0)) for n, j in spec.attn]
-            compute = b * sum(n * layer_flops(spec, s, s / (U * R), pad) for n, s in seqs) / (tf * 1e12)
+            compute = b * forward_flops(spec, img, txt, U * R, pad) / (tf * 1e12)
             # The host's time, added in full (an upper bound: a GPU runs behind its host), per
             # layer as bench host counted it on a Ulysses layer (a ring's own host work is not in it).
             host_s = layers * host["v_first" if coco is vfirst and U > 1 else "cocodiff"]
@@ -714,8 +713,7 @@ def pipefusion_rows(spec: ModelSpec, full: Cluster, c: Coeffs, *, size: int, fra
             stock = predict_step(spec, group, c, algorithm="flat", size=size, frames=frames, batch=batch, ulysses=U,
                                  cfg_parallel=C == 2, steps=steps, tflops=tflops)
             b = batch * (2 if spec.cfg and C == 1 else 1)
-            compute = b * sum(n * layer_flops(spec, s, s / U) for n, s in
-                              ((n, img + (txt if j else 0)) for n, j in spec.attn)) / (tflops * 1e12) / P
+            compute = b * forward_flops(spec, img, txt, U) / (tflops * 1e12) / P
             comm = stock["comm_s"] / P
             link = span.levels[0] if span.levels else None
             send_bytes = b * (img + txt) / U * D * spec.dtype_bytes
