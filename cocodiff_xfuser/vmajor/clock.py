@@ -124,7 +124,7 @@ class Call:
         # yet measured, the exchange is exact), and what the layers measured during this step.
         self.shares: list[float] | None = None
         self.needed: list[tuple[int, torch.Tensor]] = []
-        self._agreeing: tuple[Any, torch.Tensor] | None = None  # an all-reduce in flight, and its tensor
+        self.agreeing: tuple[Any, torch.Tensor] | None = None  # an all-reduce in flight, and its tensor
 
     def tick(self, t: float) -> bool:
         """A transformer call at timestep ``t``: the same timestep as the call before is another
@@ -160,19 +160,19 @@ class Call:
             0, torch.tensor(indices, device=device), torch.stack(shares).float(), "amax")
         transport.launched(group, "all_reduce")
         work = dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self._agreeing, self.needed = (work, needed), []
+        self.agreeing, self.needed = (work, needed), []
 
     def take_shares(self) -> None:
-        if self._agreeing is not None:
-            work, needed = self._agreeing
+        if self.agreeing is not None:
+            work, needed = self.agreeing
             work.wait()
-            self.shares, self._agreeing = needed.tolist(), None
+            self.shares, self.agreeing = needed.tolist(), None
 
     def settle(self) -> None:
         """Complete the agreement in flight (after a transformer call: it has had the whole call to
         finish, and nothing is left in flight when the call ends)."""
-        if self._agreeing is not None:
-            self._agreeing[0].wait()
+        if self.agreeing is not None:
+            self.agreeing[0].wait()
 
 
 class Clock:
@@ -228,28 +228,33 @@ class Clock:
             call.settle()
 
     def tick(self, timestep: Any) -> None:
-        self._tick(timestep)
-        self.phase = self._phase()
-        self.to_stock = self.stock_step()
-        padding.clear_padded()  # a forward that pads tokens keeps V-First at a stock step (settle)
-
-    def _tick(self, timestep: Any) -> None:
+        """A transformer call starts at ``timestep``: where the pipeline call is, and what its graphs
+        read of it (:attr:`phase`, :attr:`to_stock`). Runs on the host per transformer call, so its
+        steady state is a few calls: the agreement and the trial only where they are under way."""
         call = self.current
-        if call is None:
-            return
-        t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
-        if call.tick(t):
-            if call.needed and not self._layers_agreed:
-                # The layers size the shares' all-reduce (ring layers join in the first call): agreed
-                # once, before its first launch (which the same steps and layers launch on every rank).
-                agree(self.layers, "the number of layers carrying V-Major", self.agreement_group())
-                self._layers_agreed = True
-            call.agree_shares(self.layers, self.agreement_group())
-        if self.trial is not None and call.branch == 0:
-            device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
-            arm = self.trial.at_step(call.step, device, self.agreement_group())
-            if arm is not None:
-                self.trial, self.off, self.stock = None, arm != "v-major", arm == "stock"
+        if call is not None and call.tick(float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)):
+            if call.needed or call.agreeing is not None:
+                self._agree(call)
+            if self.trial is not None:
+                self._time_trial(call, timestep)
+        self.phase = self._phase()
+        self.to_stock = self.stock or (self.trial is not None and self.stock_step())
+        if self.to_stock:
+            padding.clear_padded()  # a forward that pads tokens keeps V-First at a stock step (settle)
+
+    def _agree(self, call: Call) -> None:
+        if call.needed and not self._layers_agreed:
+            # The layers size the shares' all-reduce (ring layers join in the first call): agreed
+            # once, before its first launch (which the same steps and layers launch on every rank).
+            agree(self.layers, "the number of layers carrying V-Major", self.agreement_group())
+            self._layers_agreed = True
+        call.agree_shares(self.layers, self.agreement_group())
+
+    def _time_trial(self, call: Call, timestep: Any) -> None:
+        device = timestep.device if isinstance(timestep, torch.Tensor) else torch.device("cpu")
+        arm = self.trial.at_step(call.step, device, self.agreement_group())
+        if arm is not None:
+            self.trial, self.off, self.stock = None, arm != "v-major", arm == "stock"
 
     def _phase(self) -> str:
         call = self.current
@@ -297,6 +302,19 @@ class Clock:
             call.take_shares()
         return call.shares
 
+    def before_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """The transformer's pre-hook: :meth:`tick` at its ``timestep``."""
+        timestep = kwargs.get("timestep")
+        if timestep is None:
+            raise ValueError(f"cocodiff: V-Major needs {type(module).__name__} to be called with timestep=...")
+        self.tick(timestep)
+
+    def after_call(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        """The transformer's hook: :meth:`settle`, inline where nothing is left to settle (the steady
+        state: a call made on the host per transformer call)."""
+        if self.to_stock or (self.current is not None and self.current.agreeing is not None):
+            self.settle()
+
     def settle(self) -> None:
         """After a transformer call: its agreement completed, and its processors' calls counted where
         they ran xfuser's (here, not in the processors: a compiled graph counts nothing)."""
@@ -313,18 +331,10 @@ def attach_clock(
     settled after it, and the two hooks that do it; ``group``: the Ulysses group of its V-Major
     layers; ``settings``: theirs (auto, unless ``if_slower: keep``, times its steps against exact
     ones: V-First's and, with ``stock``, xfuser's processors')."""
-
-    # Compiled, the hooks run on the host between the transformer's graphs, never traced.
-    @torch.compiler.disable
-    def before(module, args, kwargs) -> None:
-        timestep = kwargs.get("timestep")
-        if timestep is None:
-            raise ValueError(f"cocodiff: V-Major needs {type(module).__name__} to be called with timestep=...")
-        clock.tick(timestep)
-
     trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
     arms = ARMS if stock else tuple(arm for arm in ARMS if arm != "stock")
     clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms, settings)
-    hooks = [transformer.register_forward_pre_hook(before, with_kwargs=True),
-             transformer.register_forward_hook(torch.compiler.disable(lambda module, args, output: clock.settle()))]
+    # Compiled, the hooks run on the host between the transformer's graphs, never traced.
+    hooks = [transformer.register_forward_pre_hook(torch.compiler.disable(clock.before_call), with_kwargs=True),
+             transformer.register_forward_hook(torch.compiler.disable(clock.after_call))]
     return clock, hooks
