@@ -11,6 +11,7 @@ process fails, so the tier cannot drift from what the test does.
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 
 import pytest
@@ -40,6 +41,16 @@ def at_first_use(tmp_path_factory: pytest.TempPathFactory):
         return output
 
     return outputs_of
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _matplotlib_font_cache() -> None:
+    """matplotlib runs ``fc-list`` the first time it loads on a machine (its font cache): loaded once
+    here, so that a unit test drawing a figure starts no process on a fresh machine either."""
+    try:
+        importlib.import_module("matplotlib.font_manager")
+    except ImportError:
+        pass
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ from cocodiff_xfuser.tools.bench import kernels
 from cocodiff_xfuser.tools.cli import main
 
 
+@pytest.mark.slow  # a benchmark run; make test checks the kernels' bytes against the reference (comm/test_residuals.py)
 @pytest.mark.distributed  # the interpreted Triton kernels run in a process of their own
 def test_reports_the_layer_and_v_major_per_degree(tmp_path, capsys):
     out = tmp_path / "k.json"
