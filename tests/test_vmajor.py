@@ -4,6 +4,7 @@ and the budget on 4 ranks (the exchanges themselves: tests/comm)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -82,6 +83,22 @@ def test_clock_counts_steps_and_branches_within_each_pipeline_call():
         clock.close()
     assert seen == [(1, 0, 0), (1, 1, 0), (1, 1, 1), (1, 2, 0), (2, 0, 0), (2, 1, 0)]
     assert clock.current is None
+
+
+def test_the_clock_tells_steps_by_the_schedulers_index_without_reading_the_timestep():
+    # A GPU's timestep is a device tensor: read per transformer call, it would hold the host until the
+    # device caught up. The scheduler's step index (a host integer, None until its first step) tells
+    # the steps apart instead; a timestep with no value to read (meta) shows that none is read.
+    scheduler = SimpleNamespace(step_index=None)
+    clock = vmajor_clock.Clock()
+    clock.open(scheduler)
+    seen = []
+    for index in (None, None, 1, 2, 2, 3):  # a second branch at steps 0 and 2
+        scheduler.step_index = index
+        clock.tick(torch.empty(2, device="meta"))
+        seen.append((clock.current.step, clock.current.branch))
+    clock.close()
+    assert seen == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (3, 0)]
 
 
 def test_the_clock_names_each_steps_phase_for_static_shapes():
@@ -315,6 +332,7 @@ def _three_calls(tmp_path, variants: dict, steps: int, env: dict | None = None) 
     return generated
 
 
+@pytest.mark.slow  # make test serves requests after others bitwise (tools/test_cli.py) and counts the budget's fall-back (comm/test_exchanges.py)
 @pytest.mark.distributed
 def test_no_cache_leaks_across_pipeline_calls_and_budget_falls_back(tmp_path):
     """An image generated after others in the same job is bitwise the image of the first call (the

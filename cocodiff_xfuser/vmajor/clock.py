@@ -29,6 +29,10 @@ ARMS = ("v-major", "v-first", "stock")
 STOCK_STEP = "stock processors' step (auto)"
 
 
+#: Not there: a scheduler without a step index, the call before a call's first transformer call.
+_MISSING = object()
+
+
 class Trial:
     """Auto's speed check: which way of running this job's steps is fastest, measured on whole steps.
 
@@ -113,10 +117,11 @@ class Call:
     budget). Nothing of one call reaches the next: a request served after others starts as it
     would in a fresh process."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Any = None) -> None:
         self.step = 0
         self.branch = 0
-        self._last: float | None = None  # the timestep of the transformer call before
+        self.scheduler = scheduler  # the pipeline's, whose step index tells the steps apart (None: the timesteps do)
+        self._last: Any = _MISSING  # the step key of the transformer call before
         # (layer index on the clock, branch) -> that layer's caches (a Ulysses layer's or a ring layer's).
         self.caches: dict[tuple[int, int], Any] = {}
         self.budget = Budget()
@@ -126,13 +131,19 @@ class Call:
         self.needed: list[tuple[int, torch.Tensor]] = []
         self.agreeing: tuple[Any, torch.Tensor] | None = None  # an all-reduce in flight, and its tensor
 
-    def tick(self, t: float) -> bool:
-        """A transformer call at timestep ``t``: the same timestep as the call before is another
-        branch of the step (true CFG's second), another one the next step (True)."""
-        last, self._last = self._last, t
-        if last is None:
+    def tick(self, timestep: Any) -> bool:
+        """A transformer call at ``timestep``: in the same step as the call before, another branch of
+        the step (true CFG's second); in another step, the next one (True). The step is told by the
+        scheduler's step index where it keeps one (a host integer that its ``step`` advances, once
+        per step in xfuser's patch mode too), else by the timestep's value (read from the device: a
+        synchronization per transformer call on a GPU)."""
+        key = getattr(self.scheduler, "step_index", _MISSING)
+        if key is _MISSING:
+            key = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)
+        last, self._last = self._last, key
+        if last is _MISSING:
             return False
-        if t == last:
+        if key == last:
             self.branch += 1
             return False
         self.step, self.branch = self.step + 1, 0
@@ -213,10 +224,11 @@ class Clock:
         #: count as handed to stock at a stock step, a processor that falls back for its own reason too).
         self.processors = 0
 
-    def open(self) -> Call:
-        """A pipeline call starts: its own state, nothing carried over from the last."""
+    def open(self, scheduler: Any = None) -> Call:
+        """A pipeline call starts (``scheduler``: the pipeline's): its own state, nothing carried over
+        from the last."""
         self.close()
-        self.current, self.calls = Call(), self.calls + 1
+        self.current, self.calls = Call(scheduler), self.calls + 1
         if self.trial is not None:
             self.trial.restart()
         return self.current
@@ -232,7 +244,7 @@ class Clock:
         read of it (:attr:`phase`, :attr:`to_stock`). Runs on the host per transformer call, so its
         steady state is a few calls: the agreement and the trial only where they are under way."""
         call = self.current
-        if call is not None and call.tick(float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep)):
+        if call is not None and call.tick(timestep):
             if call.needed or call.agreeing is not None:
                 self._agree(call)
             if self.trial is not None:

@@ -37,8 +37,9 @@ def _in_context(original):
         clocks = _clocks.get(self)
         if not clocks or any(clock.current is not None for clock in clocks):
             return original(self, *args, **kwargs)
+        scheduler = getattr(self, "scheduler", None)
         for clock in clocks:
-            clock.open()
+            clock.open(scheduler)
         try:
             return original(self, *args, **kwargs)
         finally:

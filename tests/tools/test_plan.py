@@ -312,6 +312,7 @@ def test_every_preset_has_a_memory_bandwidth_and_devices_are_found_by_name(tmp_p
     assert cost == plan.v_major_layer_cost(plan.KERNEL_GPU) and "not known" in how
 
 
+@pytest.mark.slow  # builds and installs a wheel: a packaging check (make test runs the editable install)
 @pytest.mark.distributed
 def test_the_wheel_ships_the_configs_and_the_planner_measurements(tmp_path):
     """Built and unpacked away from the checkout, the wheel plans on its own files."""

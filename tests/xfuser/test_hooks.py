@@ -327,9 +327,10 @@ def test_decisions_measured_elsewhere_are_refused_once(tmp_path):
     (("--cocodiff-topology", "3x3"), "cocodiff: topology 3x3"),
     (("--cocodiff-v-major", "on", "--cocodiff-v-major-policy", "budget", "--cocodiff-v-major-threshold", "0.3"),
      "cocodiff: --cocodiff-v-major-threshold is not read by policy budget"),
-    (("--cocodiff-a2a", "fastest"), "invalid choice: 'fastest'"),
+    pytest.param(("--cocodiff-a2a", "fastest"), "invalid choice: 'fastest'", marks=pytest.mark.slow),  # argparse's own check
     (("--use_fp8_comms", "--cocodiff-v-major", "on"), "cocodiff: --use_fp8_comms with --cocodiff-v-major"),
-    (("--use_fp8_comms", "--cocodiff-compress", "fp8-slow"), "cocodiff: --use_fp8_comms with --cocodiff-compress fp8-slow"),
+    pytest.param(("--use_fp8_comms", "--cocodiff-compress", "fp8-slow"), "cocodiff: --use_fp8_comms with --cocodiff-compress fp8-slow",
+                 marks=pytest.mark.slow),  # the same check as the line above
 ])
 def test_xdit_refuses_a_mistake_before_launch(tmp_path, given, line):
     """A mistake that needs no ranks: one line from the xdit process, exit 2, no worker started."""
