@@ -252,7 +252,7 @@ class Clock:
         self.phase = self._phase()
         self.to_stock = self.stock or (self.trial is not None and self.stock_step())
         if self.to_stock:
-            padding.clear_padded()  # a forward that pads tokens keeps V-First at a stock step (settle)
+            padding.clear_padded()  # a forward that pads tokens keeps V-First at a stock step (after_call)
 
     def _agree(self, call: Call) -> None:
         if call.needed and not self._layers_agreed:
@@ -322,18 +322,13 @@ class Clock:
         self.tick(timestep)
 
     def after_call(self, module: torch.nn.Module, args: tuple, output: object) -> None:
-        """The transformer's hook: :meth:`settle`, inline where nothing is left to settle (the steady
-        state: a call made on the host per transformer call)."""
-        if self.to_stock or (self.current is not None and self.current.agreeing is not None):
-            self.settle()
-
-    def settle(self) -> None:
-        """After a transformer call: its agreement completed, and its processors' calls counted where
-        they ran xfuser's (here, not in the processors: a compiled graph counts nothing)."""
+        """The transformer's hook, after its call: its agreement completed, and its processors' calls
+        counted where they ran xfuser's (here, not in the processors: a compiled graph counts nothing)."""
         if self.to_stock and not padding.tokens_were_padded():
             commstats.count_fallback(f"v-first: {STOCK_STEP}", self.processors)
-        if self.current is not None:
-            self.current.settle()
+        call = self.current
+        if call is not None and call.agreeing is not None:
+            call.settle()
 
 
 def attach_clock(
