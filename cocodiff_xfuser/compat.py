@@ -58,6 +58,10 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),
     # The rotater ring attention moves K/V with, created per call: under cocodiff, the exchanger's.
     (RING_ATTENTION, "_create_rotater"),
+    # Its merge of the blocks' partial results, and its options: V-Major on the ring runs torch's
+    # loop over a rotater of its own (comm/ring.py).
+    (RING_ATTENTION, "_SDPAMerger"),
+    (RING_ATTENTION, "_cp_options"),
     # What else of the functional collectives stock's exchanges call: the emulated clusters' bf16
     # wire rounds stock's payloads too (tools/fabric/wire.py).
     ("torch.distributed._functional_collectives", "all_gather_single"),

@@ -6,8 +6,8 @@ it owns the Ulysses group, its topology levels, V-Major's slow level and the aut
 exchange (xfuser's routed all-to-all, V-First's input and output exchanges, V-Major's sparse ones,
 fp8 on every link or only the slow ones) starts through :meth:`Exchanger.start`,
 :meth:`~Exchanger.start_heads` or :meth:`~Exchanger.start_sparse` and returns an :class:`Exchange`
-(``advance``, ``wait``); under ring attention, the ring's K/V too (:meth:`~Exchanger.ring_rotater`:
-torch's rotater protocol, each exchange through :meth:`~Exchanger.start_ring`). The input exchange's
+(``advance``, ``wait``); under ring attention, the ring's K/V too (:meth:`~Exchanger.start_ring`,
+through torch's rotater protocol: :meth:`~Exchanger.ring_rotater`). The input exchange's
 head blocks are written once, in the order the chosen exchange sends them
 (:mod:`cocodiff_xfuser.ulysses_layout`). This module knows nothing about how it is wired in.
 """
@@ -18,12 +18,12 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from cocodiff_xfuser import commstats, compat
+from cocodiff_xfuser import commstats, compat, padding
 from cocodiff_xfuser.comm import compress, faults, functional, ring, sparse, timing, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree
@@ -33,6 +33,9 @@ from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.layout import Layout
 from cocodiff_xfuser.settings import Options
 from cocodiff_xfuser.ulysses_layout import heads
+
+if TYPE_CHECKING:  # (a type only: the exchanger runs in stock jobs too, which load nothing of V-Major)
+    from cocodiff_xfuser.vmajor import ring as vmajor_ring
 
 logger = logging.getLogger("cocodiff_xfuser")
 T = TypeVar("T")
@@ -121,9 +124,8 @@ class Exchanger:
         #: A V-First processor's fall-back decisions, agreed over the group once per (processor, input
         #: shapes, local reason): the reason (None: V-First runs).
         self.agreed: dict[tuple, str | None] = {}
-        # V-Major on the ring of the transformer that runs (:class:`~cocodiff_xfuser.vmajor.ring.Ring`,
-        # set as each transformer call starts), or None: the ring's K/V are gathered exactly.
-        self.ring_v_major = None
+        #: The job's padded heads and tokens (:class:`~cocodiff_xfuser.padding.Padding`): a new job starts with none.
+        self.padding = padding.Padding()
         slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
         v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
         #: Whether the ring's K/V go through this exchanger's host code, compiled or not: V-Major's step
@@ -376,16 +378,17 @@ class Exchanger:
         exact = (key.numel() + value.numel()) * transport.wire_itemsize(key.dtype) * len(self.ring_remote)
         commstats.traced("count_exchange", "ring all-gather", "ring", exact, exact)
 
-    def ring_rotater(self, group: dist.ProcessGroup, row: int | None = None) -> ring.Rotater:
-        """torch's ring-attention rotater for ``group`` (the ring group), its gather started here
-        (``row``: the elements of one token of K and of V, where they are alike)."""
-        return ring.Rotater(group, lambda buffer: self.start_ring(buffer, group, row))
+    def ring_rotater(self, group: dist.ProcessGroup) -> ring.Rotater:
+        """torch's ring-attention rotater for ``group`` (the ring group), its exact gather started here."""
+        return ring.Rotater(group, lambda buffer: self.start_ring(buffer, group))
 
-    def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup, row: int | None = None) -> Exchange:
+    def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup, row: int | None = None,
+                   v_major: vmajor_ring.Ring | None = None) -> Exchange:
         """Start the all-gather of ``buffer`` over the ring ``group``: ``[ring size, n]``
-        (:mod:`.comm.ring`); under V-Major on the ring, peers on other nodes exchange step residuals."""
+        (:mod:`.comm.ring`); under ``v_major`` (its transformer's V-Major on the ring, this call's
+        buffer of K then V, each ``row`` elements per token), peers on other nodes exchange step residuals."""
         label = "ring"
-        step = self.ring_v_major.begin(buffer, row) if self.ring_v_major is not None and self.ring_remote else None
+        step = v_major.begin(buffer, row) if v_major is not None and self.ring_remote else None
         remote = None if step is None else step.remote
         algorithm = "ring all-gather" if remote is None else "ring v-major"
         exact = transport.wire_bytes(buffer) * len(self.ring_remote)

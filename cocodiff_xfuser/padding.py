@@ -76,80 +76,73 @@ class Streams:
         return tuple(runs)
 
 
-#: The running forward's padded token streams (None: its tokens are not padded); callers that count
-#: per exchange read it to skip :func:`count` where nothing is padded (a Python call per exchange).
-running: Streams | None = None
-# Whether a forward padded tokens since the last clear (what a step clock checks around a call).
-# Written by traced code, read only on the host: a traced read would guard its value, which
-# changes per forward, and the transformer would be traced again for every call.
-_padded = False
-_uneven_heads: str | None = None  # the loaded model's heads over the degree, when they do not divide
+class Padding:
+    """One job's padding (the exchanger holds it, so a new job starts with none of the last one's):
+    the loaded model's heads where the degree does not divide them, the running forward's padded
+    token streams, and whether a forward padded tokens since the step clock last cleared it."""
 
+    def __init__(self) -> None:
+        #: The loaded model's heads over the degree, when they do not divide (``"38 attention heads over ..."``).
+        self.uneven_heads: str | None = None
+        #: The running forward's padded streams (None: its tokens are not padded); callers that count
+        #: per exchange read it to skip :meth:`count` where nothing is padded (a Python call per exchange).
+        self.running: Streams | None = None
+        # Whether a forward padded tokens since the last clear (what a step clock checks around a call).
+        # Written by traced code, read only on the host: a traced read would guard its value, which
+        # changes per forward, and the transformer would be traced again for every call.
+        self._padded = False
 
-@contextlib.contextmanager
-def tokens(streams: Streams) -> Iterator[None]:
-    """While a padded forward runs: attention drops the padded keys (:func:`keep_keys`)."""
-    global running, _padded
-    previous, running = running, streams
-    _padded = True
-    try:
-        yield
-    finally:
-        running = previous
+    @contextlib.contextmanager
+    def tokens(self, streams: Streams) -> Iterator[None]:
+        """While a padded forward runs: attention drops the padded keys (:meth:`keep_keys`)."""
+        previous, self.running = self.running, streams
+        self._padded = True
+        try:
+            yield
+        finally:
+            self.running = previous
 
+    def clear_padded(self) -> None:
+        """From now on, :meth:`tokens_were_padded` says whether a forward padded tokens (host code only)."""
+        self._padded = False
 
-def clear_padded() -> None:
-    """From now on, :func:`tokens_were_padded` says whether a forward padded tokens (host code only)."""
-    global _padded
-    _padded = False
+    def tokens_were_padded(self) -> bool:
+        """Whether a forward padded tokens since :meth:`clear_padded` (host code only)."""
+        return self._padded
 
+    def required(self) -> str | None:
+        """What needs cocodiff's padded exchange right now (heads or tokens), or None: then a layer
+        must not take the stock path, which cannot split them."""
+        if self.running is not None:
+            return f"{self.running.lengths} tokens padded to the degree {self.running.world}"
+        return self.uneven_heads
 
-def tokens_were_padded() -> bool:
-    """Whether a forward padded tokens since :func:`clear_padded` (host code only)."""
-    return _padded
-
-
-def tokens_padded() -> bool:
-    """Whether a forward with padded tokens is running."""
-    return running is not None
-
-
-def set_uneven_heads(description: str | None) -> None:
-    """Record, when a model loads, whether its heads need padding (``"38 attention heads over ..."``)."""
-    global _uneven_heads
-    _uneven_heads = description
-
-
-def required() -> str | None:
-    """What needs cocodiff's padded exchange right now (heads or tokens), or None: then a layer
-    must not take the stock path, which cannot split them."""
-    if running is not None:
-        return f"{running.lengths} tokens padded to the degree {running.world}"
-    return _uneven_heads
-
-
-def kept_tokens(exchanged: int) -> int:
-    """How many of ``exchanged`` head-sharded tokens :func:`keep_keys` keeps: the real ones of the
-    running forward's padded streams, else all."""
-    return exchanged if running is None else sum(real for real, _ in running.lengths)
-
-
-def keep_keys(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head-sharded ``[b, h/W, W*s, d]`` K and V without the padded tokens of the running forward."""
-    if running is None:
+    def keep_keys(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head-sharded ``[b, h/W, W*s, d]`` K and V without the padded tokens of the running forward."""
+        running = self.running
+        if running is None:
+            return key, value
+        if key.shape[2] != running.world * running.local:
+            user_error(
+                f"cocodiff: padded tokens of a {running.world}-way Ulysses forward, but an attention layer sees "
+                f"{key.shape[2]} keys instead of {running.world * running.local}; this model's sequence layout "
+                f"is not supported with padding: choose a resolution and text length divisible by the degree"
+            )
+        runs = running.kept()
+        # [b, h/W, W*s, d] -> [b, h/W, real tokens, d]: one copy of each, as an index_select would make
+        key = torch.cat([key.narrow(2, first, count) for first, count in runs], 2)
+        value = torch.cat([value.narrow(2, first, count) for first, count in runs], 2)
+        commstats.traced("count_copy", 2 * key.numel() * key.element_size())
         return key, value
-    if key.shape[2] != running.world * running.local:
-        user_error(
-            f"cocodiff: padded tokens of a {running.world}-way Ulysses forward, but an attention layer sees "
-            f"{key.shape[2]} keys instead of {running.world * running.local}; this model's sequence layout "
-            f"is not supported with padding: choose a resolution and text length divisible by the degree"
-        )
-    runs = running.kept()
-    # [b, h/W, W*s, d] -> [b, h/W, real tokens, d]: one copy of each, as an index_select would make
-    key = torch.cat([key.narrow(2, first, count) for first, count in runs], 2)
-    value = torch.cat([value.narrow(2, first, count) for first, count in runs], 2)
-    commstats.traced("count_copy", 2 * key.numel() * key.element_size())
-    return key, value
+
+    def count(self, nbytes: int, heads: int, padded_heads: int) -> None:
+        """Count the padding's share of an exchange of ``nbytes``: ``padded_heads`` heads, of which
+        ``heads`` are real, and the padded tokens of the running forward (in traced code, per graph run)."""
+        real = heads / padded_heads
+        if self.running is not None:
+            real *= sum(r for r, _ in self.running.lengths) / sum(p for _, p in self.running.lengths)
+        if real < 1:
+            commstats.traced("count_padding", round(nbytes * (1 - real)))
 
 
 def streams(lengths: Sequence[int], world: int) -> Streams | None:
@@ -167,13 +160,3 @@ def pad_tokens(x: torch.Tensor, to: int, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = extra
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
-
-
-def count(nbytes: int, heads: int, padded_heads: int) -> None:
-    """Count the padding's share of an exchange of ``nbytes``: ``padded_heads`` heads, of which
-    ``heads`` are real, and the padded tokens of the running forward (in traced code, per graph run)."""
-    real = heads / padded_heads
-    if running is not None:
-        real *= sum(r for r, _ in running.lengths) / sum(p for _, p in running.lengths)
-    if real < 1:
-        commstats.traced("count_padding", round(nbytes * (1 - real)))

@@ -133,8 +133,8 @@ def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tens
         blocks.append(t.view(b, world, h // world, s, d).transpose(0, 1))
     # stacked at dim 1: [W, n, b, h/W, s, d], destination-major, one copy
     stacked = torch.stack(blocks, 1)
-    if h != heads or padding.running is not None:
-        padding.count(stacked.numel() * stacked.element_size(), heads, h)
+    if h != heads or exchanger.padding.running is not None:
+        exchanger.padding.count(stacked.numel() * stacked.element_size(), heads, h)
     return stacked
 
 
@@ -208,8 +208,8 @@ def output(value: InFlight, out: torch.Tensor, heads: int) -> torch.Tensor:
     exchanger = value.exchanger
     world = exchanger.world_size
     b, h, s, d = out.shape
-    if h * world != heads or padding.running is not None:
-        padding.count(out.numel() * out.element_size(), heads, h * world)
+    if h * world != heads or exchanger.padding.running is not None:
+        exchanger.padding.count(out.numel() * out.element_size(), heads, h * world)
     # [b, h/W, W*s, d] -> [W*s, b, h/W, d]: token block j for group rank j
     blocks = out.permute(2, 0, 1, 3).contiguous()
     if commstats.timings_on and not torch.compiler.is_dynamo_compiling():

@@ -22,13 +22,18 @@ from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.ulysses_layout import heads, sequence
 from cocodiff_xfuser.vmajor import policy
+from cocodiff_xfuser.vmajor import ring as vmajor_ring
 
 
-def start_v(exchanger: Exchanger, value: torch.Tensor, label: str, layer: policy.Layer | None) -> PendingExchange:
+def start_v(exchanger: Exchanger, value: torch.Tensor, label: str, layer: policy.Layer | None,
+            ring: vmajor_ring.Ring | None = None) -> PendingExchange:
     """V's input exchange of a V-First call (``[b, h, s, d]``), under its V-Major ``layer`` if any,
-    started before its Q/K are projected (counted as the call)."""
+    started before its Q/K are projected (counted as the call); ``ring``: its transformer's V-Major
+    on the ring's K/V, which the layer's ring attention hands its K/V."""
     commstats.count_v_first_call()
-    return PendingExchange(exchanger, (value,), label, layer)
+    pending = PendingExchange(exchanger, (value,), label, layer)
+    pending.ring = ring
+    return pending
 
 
 class PendingExchange:
@@ -40,6 +45,9 @@ class PendingExchange:
     (``carrying``): its rows then travel in Q/K's messages, and the layer posts one input exchange,
     not two (:attr:`cocodiff_xfuser.vmajor.policy.Step.v_rides`).
     """
+
+    #: V's exchange: the transformer's V-Major on the ring's K/V, where the layer's ring attention runs it.
+    ring: vmajor_ring.Ring | None = None
 
     def __init__(
         self,
@@ -60,7 +68,7 @@ class PendingExchange:
         self._n = len(tensors)
         self._label = label
         self._nbytes = len(tensors) * tensors[0].numel() * tensors[0].element_size()  # alike in shape
-        padding.count(self._nbytes, head_count, h)
+        exchanger.padding.count(self._nbytes, head_count, h)
         self._stacked_shape = (world, len(tensors), b, h // world, s, d)
         self._started = time.perf_counter()
         self._name = "v" if layer is not None else "qk"
@@ -216,7 +224,7 @@ def output(value: PendingExchange, out: torch.Tensor, heads: int) -> torch.Tenso
     exchanger, v_major = value.exchanger, value.v_major
     world = exchanger.world_size
     b, h, s, d = out.shape
-    padding.count(out.numel() * out.element_size(), heads, h * world)
+    exchanger.padding.count(out.numel() * out.element_size(), heads, h * world)
     if v_major is not None:
         # The wire's values, which V-Major's residuals are taken of (the exact exchange rounds its own).
         stacked = transport.wire_values(out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())

@@ -34,7 +34,7 @@ DISABLED = "Skip calling `torch.compiler.disable()`d function: "
 #: Where a compiled cocodiff layer whose exchanges run on the host breaks its graph: V's start, and the
 #: rest of its attention (the ring's K/V included); xfuser's routed exchange and torch's ring attention,
 #: where xfuser's processors run (auto's stock steps) under V-Major on the ring.
-EXCHANGE_POINTS = {"start_input_exchange", "attention", "_routed_all_to_all.<locals>.on_host", "_ring_with_tokens.<locals>.on_host"}
+EXCHANGE_POINTS = {"start_input_exchange", "attention", "_routed_all_to_all.<locals>.on_host", "_counted_ring.<locals>.on_host"}
 #: The backends whose layers' exchanges all are in the graphs.
 IN_GRAPH = ("cocodiff", "cocodiff+vfirst", "topk", "fp8", "fp8-slow")
 #: V-Major's per-call path (budget: counts the data decides), a sparse step at step 2.

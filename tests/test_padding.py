@@ -33,21 +33,26 @@ def test_keep_lists_the_real_tokens_of_every_shard():
 
 
 def test_keep_keys_drops_padded_keys_while_a_padded_forward_runs():
-    streams = padding.streams((4, 7), 3)
+    streams, job = padding.streams((4, 7), 3), padding.Padding()
     key = torch.arange(15.0).view(1, 1, 15, 1)
-    assert padding.keep_keys(key, key)[0] is key  # no padded forward running
-    with padding.tokens(streams):
-        kept, _ = padding.keep_keys(key, key)
+    assert job.keep_keys(key, key)[0] is key  # no padded forward running
+    with job.tokens(streams):
+        kept, _ = job.keep_keys(key, key)
         assert kept.flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12]
-    assert not padding.tokens_padded()
+        assert job.required() == "((4, 6), (7, 9)) tokens padded to the degree 3"
+    assert job.running is None and job.tokens_were_padded() and job.required() is None
+    job.clear_padded()
+    assert not job.tokens_were_padded()
+    assert padding.Padding().required() is None  # another job's: nothing of this one's
 
 
 def test_padded_bytes_are_counted():
     commstats.reset_ran()
-    padding.count(900, 8, 9)
+    job = padding.Padding()
+    job.count(900, 8, 9)
     assert commstats.ran()["padded_bytes"] == 100
-    with padding.tokens(padding.streams((4, 7), 3)):
-        padding.count(1500, 9, 9)  # 4 of 15 tokens are padding
+    with job.tokens(padding.streams((4, 7), 3)):
+        job.count(1500, 9, 9)  # 4 of 15 tokens are padding
     assert commstats.ran()["padded_bytes"] == 500
 
 

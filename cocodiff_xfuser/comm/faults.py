@@ -48,30 +48,30 @@ def set_timeout(timeout_s: float) -> None:
     _timeout = timedelta(seconds=timeout_s)
 
 
-_inside: tuple[str, str] | None = None  # (label, where) of the exchange this rank waits in
+# (label, where) of the exchanges this rank is inside, innermost last: nested where a measurement
+# completes the exchanges still in flight first.
+_inside: list[tuple[str, str]] = []
 
 
 class inside:
     """Mark the exchange this rank waits in, for the line a SIGTERM prints (a plain class: entered
     on every step of every exchange, where a generator-based context manager costs microseconds)."""
 
-    __slots__ = ("_mark", "_outer")
+    __slots__ = ("_mark",)
 
     def __init__(self, label: str, where: str) -> None:
         self._mark = (label, where)
 
     def __enter__(self) -> None:
-        global _inside
-        self._outer, _inside = _inside, self._mark
+        _inside.append(self._mark)
 
     def __exit__(self, *exc: object) -> None:
-        global _inside
-        _inside = self._outer  # nested: a measurement completes the exchanges still in flight first
+        _inside.pop()
 
 
 def waiting_in() -> tuple[str, str] | None:
     """(label, where) of the exchange this rank waits in; None between exchanges."""
-    return _inside
+    return _inside[-1] if _inside else None
 
 
 def timeout() -> timedelta:

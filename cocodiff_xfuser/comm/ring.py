@@ -9,7 +9,10 @@ ring peer receives this rank's buffer and this rank theirs, so the same bytes la
 places, under the one program order, device semantics and the timeout every other exchange has.
 
 Peers on other nodes may receive another message instead of the buffer (:class:`Remote`: V-Major's
-step residuals of the K/V they already hold); the caller turns those messages into their rows.
+step residuals of the K/V they already hold); the caller turns those messages into their rows. Such
+a gather needs to know what the call's buffer holds, which torch's rotater, created inside its ring
+attention with only the group, cannot be told: :func:`attend` runs torch's ring loop over a rotater
+its caller makes for the call.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from cocodiff_xfuser import compat
 
 from . import transport
 
@@ -80,3 +85,25 @@ class Rotater:
     def next_buffer(self) -> torch.Tensor:
         me, _ = transport.group_info(self._group)
         return self._gather.wait()[me - self._step]  # negative: wraps around the ring, as torch's chunk index does
+
+
+def attend(op: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any,
+           start: Callable[[torch.Tensor], Any], **kwargs: Any) -> torch.Tensor:
+    """Ring attention as xfuser's ``ring_attn`` runs torch's ``_templated_ring_attention`` (not causal,
+    no load balance, ``seq_dim`` 1), with K/V moved by a :class:`Rotater` over ``start`` (the gather of
+    this call's first buffer): the same ``op`` calls on the same blocks merged in the same order by
+    torch's merger, so the bits of torch's ring over the same bytes. ``kwargs`` go to ``op``."""
+    options = compat.torch_private(compat.RING_ATTENTION, "_cp_options")
+    merger = compat.torch_private(compat.RING_ATTENTION, "_SDPAMerger")(options.convert_to_f32, seq_dim=1)
+    _, size = transport.group_info(group)
+    key, value = key.contiguous(), value.contiguous()  # as torch's loop makes them
+    rotater = Rotater(group, start)
+    for i in range(size):
+        if i > 0:
+            kv = rotater.next_buffer()  # ring rank (rank - i)'s K then V, flattened
+            key, value = kv[:key.numel()].reshape(key.shape), kv[key.numel():].reshape(value.shape)
+        if i < size - 1:
+            rotater.exchange_buffers(torch.cat([key.flatten(), value.flatten()]))
+        out, lse, *_ = op(query, key, value, is_causal=False, **kwargs)
+        merger.step(out, lse, False)
+    return merger.results()[0]

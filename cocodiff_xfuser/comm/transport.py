@@ -180,7 +180,8 @@ def forget_groups() -> None:
 
 
 #: When a list: every posted batch as ``("what (role)", [(op, peer, bytes), ...])``, in posting order.
-_trace: list[tuple[str, list[tuple[str, int, int]]]] | None = None
+# The batches recorded by the :func:`tracing` blocks in progress, innermost last (what :func:`post` appends to).
+_traces: list[list[tuple[str, list[tuple[str, int, int]]]]] = []
 
 
 def device_semantics() -> bool:
@@ -259,8 +260,8 @@ def post(
     ops = [(dist.irecv, src, p) for src, p in recvs] + [(dist.isend, dst, p) for dst, p in sends]
     if how == "sends first":
         ops = ops[len(recvs):] + ops[: len(recvs)]
-    if _trace is not None:
-        _trace.append((where, [("recv" if op is dist.irecv else "send", peer, p.numel() * p.element_size()) for op, peer, p in ops]))
+    if _traces:
+        _traces[-1].append((where, [("recv" if op is dist.irecv else "send", peer, p.numel() * p.element_size()) for op, peer, p in ops]))
     if _device_semantics and backend in _RECEIVES_FIRST:
         return Completion(_replay(ops, group, where), backend, group, where, buffers, landing)
     if backend == "gloo":
@@ -369,9 +370,8 @@ def _drain(works: list[Any], buffers: list[torch.Tensor]) -> None:
 def tracing() -> Iterator[list[tuple[str, list[tuple[str, int, int]]]]]:
     """Record every batch posted inside the block: ``("what (role)", [(op, group peer, bytes), ...])`` in the
     backend's order (what the same-path test compares across backends)."""
-    global _trace
-    saved, _trace = _trace, []
+    _traces.append([])
     try:
-        yield _trace
+        yield _traces[-1]
     finally:
-        _trace = saved
+        _traces.pop()

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from cocodiff_xfuser import compat, padding
+from cocodiff_xfuser import compat
 from cocodiff_xfuser.comm.agreement import Disagreement, agree
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
@@ -154,7 +154,7 @@ def _leave_other_job(transformer: torch.nn.Module, exchanger: Exchanger, process
         hook.remove()
     del transformer._cocodiff_v_major
     for processor in processors:
-        processor.v_major = processor.clock = None
+        processor.v_major = processor.clock = processor.ring = None
 
 
 def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings: VMajorSettings, processors: list) -> None:
@@ -165,8 +165,8 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
         # The ring's counts must be known to ring peers in every Ulysses group: agreed over the world.
         group = None if exchanger.layout.clock_spans_world else exchanger.group
         # Auto may hand steps to xfuser's processors, unless heads padded to the degree need ours.
-        stock = padding.required() is None
-        clock, hooks = vmajor_clock.attach_clock(transformer, group, settings, stock)
+        stock = exchanger.padding.required() is None
+        clock, hooks = vmajor_clock.attach_clock(transformer, group, settings, stock, exchanger.padding)
         attached = transformer._cocodiff_v_major = _Attached(exchanger, clock, hooks)
     clock = attached.clock
     clock.processors = len(processors)
@@ -178,23 +178,11 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
         logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
     if exchanger.ring_remote and attached.ring is None:
         attached.ring = ring.Ring(clock, settings, exchanger.ring_group, exchanger.ring_remote)
-        # The exchanger runs the ring of the transformer being called, and none between calls.
-        attached.hooks += [transformer.register_forward_pre_hook(_use_ring), transformer.register_forward_hook(_leave_ring)]
         logger.info("cocodiff: V-Major on the ring's K/V across nodes: %s", settings.describe())
+    for processor in processors:
+        processor.ring = attached.ring  # each processor's ring attention hands it its calls
 
 
 def clocks(transformers: list[torch.nn.Module]) -> list[vmajor_clock.Clock]:
     """The V-Major clocks of ``transformers`` (none where V-Major is off)."""
     return [t.__dict__["_cocodiff_v_major"].clock for t in transformers if "_cocodiff_v_major" in t.__dict__]
-
-
-@torch.compiler.disable
-def _use_ring(transformer: torch.nn.Module, args: tuple) -> None:
-    attached = transformer._cocodiff_v_major
-    attached.exchanger.ring_v_major = attached.ring
-
-
-@torch.compiler.disable
-def _leave_ring(transformer: torch.nn.Module, args: tuple, output: object) -> None:
-    transformer._cocodiff_v_major.exchanger.ring_v_major = None
-

@@ -26,8 +26,7 @@ class FluxVFirstProcessor(ulysses.VFirst):
         value = ulysses.project(attn, hidden_states, "v").unflatten(-1, (heads, -1))
         if joint:
             value = torch.cat([ulysses.project(attn, encoder_hidden_states, "v", added=True).unflatten(-1, (heads, -1)), value], dim=1)
-        pending_v = ulysses.start_input_exchange(self.exchanger, value.transpose(1, 2), label="flux.double.v" if joint else "flux.single.v",
-                                                 layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, value.transpose(1, 2), label="flux.double.v" if joint else "flux.single.v")
 
         query = attn.norm_q(ulysses.project(attn, hidden_states, "q").unflatten(-1, (heads, -1)))
         key = attn.norm_k(ulysses.project(attn, hidden_states, "k").unflatten(-1, (heads, -1)))

@@ -34,7 +34,7 @@ class Flux2VFirstProcessor(ulysses.VFirst):
         if joint:
             encoder_value = ulysses.project(attn, encoder_hidden_states, "v", added=True).unflatten(-1, (heads, -1))
             value = torch.cat([encoder_value, value], dim=1)
-        pending_v = ulysses.start_input_exchange(self.exchanger, value.transpose(1, 2), label="flux2.double.v", layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, value.transpose(1, 2), label="flux2.double.v")
 
         query = attn.norm_q(ulysses.project(attn, hidden_states, "q").unflatten(-1, (heads, -1)))
         key = attn.norm_k(ulysses.project(attn, hidden_states, "k").unflatten(-1, (heads, -1)))
@@ -79,7 +79,7 @@ class Flux2SingleVFirstProcessor(ulysses.VFirst):
 
         proj, inner, heads = attn.to_qkv_mlp_proj, attn.inner_dim, attn.heads
         value = ulysses.linear_slice(proj, hidden_states, 2 * inner, 3 * inner).unflatten(-1, (heads, -1))
-        pending_v = ulysses.start_input_exchange(self.exchanger, value.transpose(1, 2), label="flux2.single.v", layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, value.transpose(1, 2), label="flux2.single.v")
 
         query, key = ulysses.linear_slice(proj, hidden_states, 0, 2 * inner).chunk(2, dim=-1)
         query = attn.norm_q(query.unflatten(-1, (heads, -1)))

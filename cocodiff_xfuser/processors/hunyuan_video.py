@@ -53,8 +53,7 @@ class HunyuanVideoVFirstProcessor(ulysses.VFirst):
         joint_value = None
         if not split_text:
             value, joint_value = value.split([latent, text], dim=2)
-        pending_v = ulysses.start_input_exchange(self.exchanger, value, label="hunyuan_video.dual.v" if dual else "hunyuan_video.single.v",
-                                                 layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, value, label="hunyuan_video.dual.v" if dual else "hunyuan_video.single.v")
 
         query = _heads(attn, attn.to_q(hidden_states))
         key = _heads(attn, attn.to_k(hidden_states))

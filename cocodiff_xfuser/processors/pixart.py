@@ -61,7 +61,7 @@ class PixArtVFirstProcessor(ulysses.VFirst):
         batch, heads = hidden_states.shape[0], attn.heads
         head_dim = attn.to_k.out_features // heads
         value = attn.to_v(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)
-        pending_v = ulysses.start_input_exchange(self.exchanger, value, label="pixart.self.v", layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, value, label="pixart.self.v")
 
         query = attn.to_q(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)
         key = attn.to_k(hidden_states).view(batch, -1, heads, head_dim).transpose(1, 2)

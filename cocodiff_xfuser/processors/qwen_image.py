@@ -37,7 +37,7 @@ class QwenImageVFirstProcessor(ulysses.VFirst):
         img_value = attn.to_v(hidden_states).unflatten(-1, (heads, -1))
         txt_value = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (heads, -1))
         joint_value = torch.cat([txt_value, img_value], dim=1)
-        pending_v = ulysses.start_input_exchange(self.exchanger, joint_value.transpose(1, 2), label="qwen_image.double.v", layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, joint_value.transpose(1, 2), label="qwen_image.double.v")
 
         img_query = attn.to_q(hidden_states).unflatten(-1, (heads, -1))
         img_key = attn.to_k(hidden_states).unflatten(-1, (heads, -1))

@@ -73,7 +73,7 @@ class SD3VFirstProcessor(ulysses.VFirst):
         encoder_value = _heads(attn, attn.add_v_proj(encoder_hidden_states), head_dim)
         if split_text:
             value = torch.cat([value, encoder_value], dim=1)
-        pending_v = ulysses.start_input_exchange(self.exchanger, value.transpose(1, 2), label="sd3.joint.v", layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, value.transpose(1, 2), label="sd3.joint.v")
 
         query = _heads(attn, attn.to_q(hidden_states), head_dim)
         key = _heads(attn, attn.to_k(hidden_states), head_dim)
@@ -110,7 +110,7 @@ def _image_only_v_first(processor: ulysses.VFirst, attn, hidden_states: torch.Te
     batch = hidden_states.shape[0]
     head_dim = attn.to_k.out_features // attn.heads
     value = attn.to_v(hidden_states).view(batch, -1, attn.heads, head_dim)
-    pending_v = ulysses.start_input_exchange(processor.exchanger, value.transpose(1, 2), label="sd3.image.v", layer=processor.v_major)
+    pending_v = ulysses.start_input_exchange(processor, value.transpose(1, 2), label="sd3.image.v")
     query = attn.to_q(hidden_states).view(batch, -1, attn.heads, head_dim)
     key = attn.to_k(hidden_states).view(batch, -1, attn.heads, head_dim)
     query, key = ulysses.norm_qk(attn, query, key)

@@ -15,17 +15,20 @@ here (:mod:`cocodiff_xfuser.padding`): attention stays exact, the bits are no lo
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Sequence
 
 import torch
 
 from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives, ulysses_handles
+from cocodiff_xfuser.comm import ring as comm_ring
 from cocodiff_xfuser.comm.agreement import any_rank
 from cocodiff_xfuser.errors import user_error
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import graph as vmajor_graph
 from cocodiff_xfuser.vmajor import policy
+from cocodiff_xfuser.vmajor import ring as vmajor_ring
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
@@ -34,23 +37,21 @@ _warned: set[str] = set()
 class VFirst:
     """Base of the V-First processors: ``exchanger`` is the job's (given at installation; without
     one, or once it is closed, every call takes the stock path), ``v_major`` the layer's V-Major
-    state, when it is on, and ``clock`` its transformer's step clock under V-Major (auto's speed
-    check may send a step's calls to the stock processor: :meth:`.Clock.stock_step`)."""
+    state, when it is on, ``ring`` its transformer's V-Major on the ring's K/V, where the ring
+    crosses nodes, and ``clock`` its transformer's step clock under V-Major (auto's speed check may
+    send a step's calls to the stock processor: :meth:`.Clock.stock_step`)."""
 
     exchanger: Exchanger | None = None
     v_major: policy.Layer | None = None
+    ring: vmajor_ring.Ring | None = None
     clock: vmajor_clock.Clock | None = None
 
 
 def start_input_exchange(
-    exchanger: Exchanger,
-    value: torch.Tensor,
-    *,
-    label: str,
-    layer: policy.Layer | None = None,
+    processor: VFirst, value: torch.Tensor, *, label: str
 ) -> ulysses_handles.PendingExchange | ulysses_collectives.InFlight | vmajor_graph.LayerCall | OnHost:
-    """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``exchanger``,
-    asynchronously (counted as the call); ``layer``: its V-Major layer.
+    """Start the Ulysses input exchange of a V-First call's V (``[b, h, s, d]``) through ``processor``'s
+    exchanger, asynchronously (counted as the call), under its V-Major layer and ring where they are on.
 
     An exact layer's exchange is a functional collective (:mod:`cocodiff_xfuser.ulysses_collectives`),
     issued here, before Q and K are projected, traced or not; a top-k V-Major layer's likewise
@@ -63,14 +64,15 @@ def start_input_exchange(
     start between graphs, on the host: the graph breaks here and at :func:`attention`, and the Q/K
     projections between run as a graph of their own while V's exchange is in flight.
     """
+    exchanger, layer = processor.exchanger, processor.v_major
     if not exchanger.ring_on_host:
         if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
             return vmajor_graph.start_v(exchanger, layer, value, label)
         if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
             return ulysses_collectives.start_v(exchanger, value, label)
     if torch.compiler.is_dynamo_compiling():
-        return OnHost(_start_on_host(exchanger, value, label=label, layer=layer))
-    return ulysses_handles.start_v(exchanger, value, label, layer)
+        return OnHost(_start_on_host(processor, value, label=label))
+    return ulysses_handles.start_v(exchanger, value, label, layer, processor.ring)
 
 
 _start_on_host = torch.compiler.disable(start_input_exchange)
@@ -122,10 +124,12 @@ def attention(
     else:
         path = ulysses_handles
     query, key, value = path.exchange_inputs(query, key, pending)
-    key, value = padding.keep_keys(key, value)  # the running forward's padded tokens, if any
+    key, value = pending.exchanger.padding.keep_keys(key, value)  # the running forward's padded tokens, if any
     if attention_kwargs:  # (without them stock's trim returns K and V as they are)
         key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-    out = _attend(compat.private(compat.USP, "_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs)
+    ring = pending.ring if path is ulysses_handles else None  # (V-Major on the ring takes the handles)
+    out = _attend(compat.private(compat.USP, "_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs,
+                  pending.exchanger, ring)
     return path.output(pending, out, head_count)
 
 
@@ -151,16 +155,28 @@ def _joined(query, joint_query, joint_key, joint_value, joint_strategy) -> tuple
     }
 
 
-def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_kwargs) -> torch.Tensor:
-    """``USP``'s attention of head-sharded Q, K, V, over the ring where there is one."""
+def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_kwargs, exchanger: Exchanger,
+            ring: vmajor_ring.Ring | None) -> torch.Tensor:
+    """``USP``'s attention of head-sharded Q, K, V, over the ring where there is one: xfuser's
+    ``ring_attn``, or under V-Major on the ring (``ring``) torch's loop over a rotater of this call's,
+    which hands ``ring`` this call's K/V (:meth:`~cocodiff_xfuser.exchanger.Exchanger.start_ring`)."""
     from xfuser.core.distributed import get_ring_parallel_world_size
     from xfuser.model_executor.layers.usp import ring_attn
 
-    kwargs = {"dropout_p": 0.0, "is_causal": False, "joint_attn_kwargs": joint_attn_kwargs, "attention_kwargs": attention_kwargs}
     if get_ring_parallel_world_size() == 1:
-        out, _ = attention_function(query, key, value, **kwargs)
+        out, _ = attention_function(query, key, value, dropout_p=0.0, is_causal=False, joint_attn_kwargs=joint_attn_kwargs,
+                                    attention_kwargs=attention_kwargs)
         return out
-    return ring_attn(attention_function, query, key, value, **kwargs)
+    if ring is None:
+        return ring_attn(attention_function, query, key, value, dropout_p=0.0, is_causal=False,
+                         joint_attn_kwargs=joint_attn_kwargs, attention_kwargs=attention_kwargs)
+    group = exchanger.ring_group
+    # What V-Major reads as a token of K and of V: the elements past the sequence dimension xfuser
+    # names (1) to torch's ring, where K and V are alike (None: the exact gather).
+    row = math.prod(key.shape[2:]) if key.shape == value.shape else None
+    return comm_ring.attend(attention_function, query, key, value, group,
+                            lambda buffer: exchanger.start_ring(buffer, group, row, ring),
+                            dropout_p=0.0, joint_attn_kwargs=joint_attn_kwargs, attention_kwargs=attention_kwargs)
 
 
 def attention_kwargs_reason(attention_kwargs: dict | None) -> str | None:
@@ -211,7 +227,8 @@ def _stock_step(processor: object) -> str | None:
     split (padded heads leave the trial without stock steps: :func:`.families._attach_v_major`).
     The same on every rank: the step, agreed times and shapes decide it."""
     clock = getattr(processor, "clock", None)
-    return vmajor_clock.STOCK_STEP if clock is not None and clock.to_stock and not padding.tokens_padded() else None
+    return (vmajor_clock.STOCK_STEP if clock is not None and clock.to_stock and processor.exchanger.padding.running is None
+            else None)
 
 
 @torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host
@@ -220,7 +237,7 @@ def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: S
 
     exchanger = getattr(processor, "exchanger", None)
     if exchanger is None or exchanger.closed or get_ulysses_parallel_world_size() == 1:
-        return _counted("no Ulysses exchange")
+        return _counted("no Ulysses exchange", None)
     local = _local_reason(extra)
     # Kept by the job's exchanger, never on the model: a new job agrees again.
     agreed = exchanger.agreed
@@ -234,7 +251,7 @@ def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: S
         agreed[key] = local if local is not None or not anyone else "a fall-back on another rank"
     if agreed[key] is None:
         return _stock_step(processor)
-    return _counted(agreed[key])
+    return _counted(agreed[key], exchanger)
 
 
 def stock_reason() -> str | None:
@@ -242,10 +259,12 @@ def stock_reason() -> str | None:
     return _local_reason(None)
 
 
-def _counted(reason: str | None) -> str | None:
+def _counted(reason: str | None, exchanger: Exchanger | None) -> str | None:
+    """``reason`` counted and said once (None: none); where ``exchanger``'s job pads heads or
+    tokens, a user's mistake instead."""
     if reason is None:
         return None
-    needed = padding.required()
+    needed = None if exchanger is None else exchanger.padding.required()
     if needed is not None:  # stock cannot split these: one clear line, not stock's assertion
         user_error(f"cocodiff: {needed} need cocodiff's processors, but {reason} sends a layer to stock")
     commstats.count_fallback(f"v-first: {reason}")

@@ -58,7 +58,7 @@ class WanVFirstProcessor(ulysses.VFirst):
 
         activation_dtype = hidden_states.dtype
         value = ulysses.project(attn, hidden_states, "v").unflatten(2, (attn.heads, -1))
-        pending_v = ulysses.start_input_exchange(self.exchanger, value.transpose(1, 2), label="wan.self.v", layer=self.v_major)
+        pending_v = ulysses.start_input_exchange(self, value.transpose(1, 2), label="wan.self.v")
 
         query = attn.norm_q(ulysses.project(attn, hidden_states, "q"))
         key = attn.norm_k(ulysses.project(attn, hidden_states, "k"))

@@ -196,7 +196,7 @@ class Clock:
     """
 
     def __init__(self, group: Any = None, trial_from: int | None = None, arms: tuple[str, ...] = ARMS,
-                 settings: VMajorSettings | None = None) -> None:
+                 settings: VMajorSettings | None = None, padded: padding.Padding | None = None) -> None:
         self.layers = 0  # V-Major layers attached to this clock (Ulysses and ring)
         self.settings = settings  # its layers' (the warm-up and refresh steps of :attr:`phase`)
         self.cache_bytes = 0  # what the layers with static shapes keep (:mod:`.graph`), against their budget
@@ -223,6 +223,8 @@ class Clock:
         #: The V-First processors on this clock, each called once per transformer call (all of them
         #: count as handed to stock at a stock step, a processor that falls back for its own reason too).
         self.processors = 0
+        #: The job's padding, whose forwards that pad tokens keep V-First at a stock step.
+        self.padding = padding.Padding() if padded is None else padded
 
     def open(self, scheduler: Any = None) -> Call:
         """A pipeline call starts (``scheduler``: the pipeline's): its own state, nothing carried over
@@ -252,7 +254,7 @@ class Clock:
         self.phase = self._phase()
         self.to_stock = self.stock or (self.trial is not None and self.stock_step())
         if self.to_stock:
-            padding.clear_padded()  # a forward that pads tokens keeps V-First at a stock step (after_call)
+            self.padding.clear_padded()  # a forward that pads tokens keeps V-First at a stock step (after_call)
 
     def _agree(self, call: Call) -> None:
         if call.needed and not self._layers_agreed:
@@ -324,7 +326,7 @@ class Clock:
     def after_call(self, module: torch.nn.Module, args: tuple, output: object) -> None:
         """The transformer's hook, after its call: its agreement completed, and its processors' calls
         counted where they ran xfuser's (here, not in the processors: a compiled graph counts nothing)."""
-        if self.to_stock and not padding.tokens_were_padded():
+        if self.to_stock and not self.padding.tokens_were_padded():
             commstats.count_fallback(f"v-first: {STOCK_STEP}", self.processors)
         call = self.current
         if call is not None and call.agreeing is not None:
@@ -332,15 +334,16 @@ class Clock:
 
 
 def attach_clock(
-    transformer: torch.nn.Module, group: Any = None, settings: VMajorSettings | None = None, stock: bool = True
+    transformer: torch.nn.Module, group: Any = None, settings: VMajorSettings | None = None, stock: bool = True,
+    padded: padding.Padding | None = None,
 ) -> tuple[Clock, list[RemovableHandle]]:
     """A :class:`Clock` ticked before every call of ``transformer`` (its ``timestep`` argument) and
     settled after it, and the two hooks that do it; ``group``: the Ulysses group of its V-Major
     layers; ``settings``: theirs (auto, unless ``if_slower: keep``, times its steps against exact
-    ones: V-First's and, with ``stock``, xfuser's processors')."""
+    ones: V-First's and, with ``stock``, xfuser's processors'); ``padded``: the job's padding."""
     trial = settings is not None and settings.min_psnr_db is not None and settings.if_slower == "stop"
     arms = ARMS if stock else tuple(arm for arm in ARMS if arm != "stock")
-    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms, settings)
+    clock = Clock(group, max(settings.warmup_steps, 1) if trial else None, arms, settings, padded)
     # Compiled, the hooks run on the host between the transformer's graphs, never traced.
     hooks = [transformer.register_forward_pre_hook(torch.compiler.disable(clock.before_call), with_kwargs=True),
              transformer.register_forward_hook(torch.compiler.disable(clock.after_call))]

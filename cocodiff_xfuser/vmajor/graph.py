@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives
+from cocodiff_xfuser import commstats, compat, ulysses_collectives
 from cocodiff_xfuser.comm import functional, residuals, sparse, transport
 from cocodiff_xfuser.settings import TopK
 from cocodiff_xfuser.vmajor import policy
@@ -159,7 +159,7 @@ def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
     s = tokens // world
     if call.settings.scope != "qkvo" or call.caches is None or s != call.shape[4]:
         return ulysses_collectives.output(call, out, heads)
-    padding.count(out.numel() * out.element_size(), heads, local_heads * world)
+    call.exchanger.padding.count(out.numel() * out.element_size(), heads, local_heads * world)
     # [b, h/W, W*s, d] -> [W, 1, b, h/W, s, d]: token block j for group rank j
     x = transport.wire_values(out.reshape(b, local_heads, world, s, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
     exchanged = _receive(call, _issue(call, "o", x, "out", by_receiver=True))

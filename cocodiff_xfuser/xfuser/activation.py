@@ -6,12 +6,11 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import math
 import types
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, padding, ulysses_collectives
+from cocodiff_xfuser import commstats, compat, ulysses_collectives
 from cocodiff_xfuser.comm import subgroups
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import calls, fault_policy, flags, job, padded
@@ -44,8 +43,9 @@ def _activating_backend(original):
                 options = flags.options(config)
                 fault_policy.install(options.timeout_s)
                 ring = get_sp_group().ring_group if parallel_config.ring_degree > 1 else None
-                if ring is not None and _ring_unrouted is not None:
-                    logger.warning("cocodiff: %s; the ring attention's K/V exchange as stock", _ring_unrouted)
+                unrouted = ring_unrouted() if ring is not None else None
+                if unrouted is not None:
+                    logger.warning("cocodiff: %s; the ring attention's K/V exchange as stock", unrouted)
                     ring = None
                 job.start(get_sp_group().ulysses_group, options, ring)
             except (ValueError, Disagreement) as e:
@@ -115,11 +115,6 @@ def route_all_to_all(usp: types.ModuleType) -> None:
     compat.switch(usp, "_sdpa_all_to_all_single", _routed_all_to_all, compat.When.EAGER)
 
 
-# Why the ring's K/V cannot go through cocodiff in this process (None: they do, under cocodiff).
-_ring_unrouted: str | None = None
-# The ring-attention call in progress: the elements of one token of its K and of its V (None:
-# none in progress, or K and V differ in shape).
-_ring_row: int | None = None
 
 
 def _routed_rotater(original):
@@ -127,60 +122,56 @@ def _routed_rotater(original):
         exchanger = job.exchanger()
         # A method named by the caller is torch's backward pass (gradients move between steps): stock.
         if (exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group or method is not None
-                or torch.compiler.is_dynamo_compiling()):  # traced: torch's own (:func:`_ring_with_tokens`)
+                or torch.compiler.is_dynamo_compiling()):  # traced: torch's own (:func:`_counted_ring`)
             return original(pg, seq_dim, method)
-        return exchanger.ring_rotater(pg, _ring_row)
+        return exchanger.ring_rotater(pg)
 
     return _create_rotater
 
 
-def _ring_with_tokens(original):
-    """torch's rotater sees K and V only as one flat buffer: the call records where its tokens are.
-    Traced, unless V-Major runs on the ring (:attr:`~cocodiff_xfuser.exchanger.Exchanger.ring_on_host`),
-    the graph holds torch's ring as stock's graph does, counted when traced."""
+def _counted_ring(original):
+    """xfuser's ring attention, where it runs torch's (its processors', and ours without V-Major on
+    the ring: :func:`cocodiff_xfuser.processors.ulysses.attention` runs that one over its own
+    rotater). Traced, the graph holds torch's ring as stock's graph does, counted when traced;
+    under V-Major on the ring (:attr:`~cocodiff_xfuser.exchanger.Exchanger.ring_on_host`), where the
+    layers around it run between graphs, it runs there too."""
 
-    @torch.compiler.disable  # V-Major on the ring's K/V, or eagerly: the exchanger's host work
+    @torch.compiler.disable
     def on_host(*args, **kwargs):
-        global _ring_row
-        outer, _ring_row = _ring_row, _token_row(args)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _ring_row = outer
+        return original(*args, **kwargs)
 
     def _templated_ring_attention(*args, **kwargs):
         exchanger = job.exchanger()
-        if torch.compiler.is_dynamo_compiling() and exchanger is not None and not exchanger.ring_on_host:
+        if torch.compiler.is_dynamo_compiling() and exchanger is not None:
+            if exchanger.ring_on_host:
+                return on_host(*args, **kwargs)
             if len(args) >= 6:  # torch's (group, seq_dim, op, query, key, value)
                 exchanger.count_traced_ring(args[4], args[5])
-            return original(*args, **kwargs)
-        return on_host(*args, **kwargs)
+        return original(*args, **kwargs)
 
     return _templated_ring_attention
 
 
-def _token_row(args: tuple) -> int | None:
-    """From torch's ``(group, seq_dim, op, query, key, value)``: the elements of one token of K and
-    of V, where they are alike (None otherwise, or for another signature)."""
-    if len(args) < 6 or not isinstance(args[1], int):
-        return None
-    seq_dim, key, value = args[1], args[4], args[5]
-    return math.prod(key.shape[seq_dim + 1:]) if key.shape == value.shape else None
+def ring_unrouted() -> str | None:
+    """Why the ring's K/V cannot go through cocodiff with this torch (None: they do, under cocodiff):
+    its rotater factory, and the merge and options of its ring loop (V-Major on the ring runs it)."""
+    try:
+        for name in ("_create_rotater", "_SDPAMerger", "_cp_options"):
+            compat.torch_private(compat.RING_ATTENTION, name)
+    except compat.IncompatibleTorch as e:
+        return str(e)
+    return None
 
 
 def route_ring_exchange(usp: types.ModuleType) -> None:
     """xfuser's ring attention (``usp``'s ``_templated_ring_attention``, torch's, on the ring group)
     moves K/V through a rotater torch creates per call; under cocodiff, the ring group's is the
-    exchanger's. A torch without that hook keeps its own rotater (said once, when a job with a ring
-    starts)."""
-    global _ring_unrouted
-    try:
-        compat.torch_private(compat.RING_ATTENTION, "_create_rotater")
-    except compat.IncompatibleTorch as e:
-        _ring_unrouted = str(e)
+    exchanger's. A torch without what that needs keeps its own rotater (said once, when a job with a
+    ring starts: :func:`ring_unrouted`)."""
+    if ring_unrouted() is not None:
         return
     compat.switch(importlib.import_module(compat.RING_ATTENTION), "_create_rotater", _routed_rotater, compat.When.COCODIFF)
-    compat.switch(usp, "_templated_ring_attention", _ring_with_tokens, compat.When.COCODIFF)
+    compat.switch(usp, "_templated_ring_attention", _counted_ring, compat.When.COCODIFF)
 
 
 def _adapting_model_after(original, get_transformers):
@@ -205,7 +196,7 @@ def _adapt(pipe, transformers: list) -> None:
     padded.mark_padded_tokens(transformers)
     reason = next(filter(None, map(families.unsupported_reason, transformers)), None)
     uneven = padded.uneven_heads(transformers, exchanger.world_size)
-    padding.set_uneven_heads(uneven)
+    exchanger.padding.uneven_heads = uneven
     if reason is not None and uneven is not None:
         fault_policy.end_job(f"cocodiff: {uneven} need cocodiff's padded exchange, but {reason}")
     if reason is not None:

@@ -94,7 +94,7 @@ def _padding_forward(original):
                 layout = padding.streams((encoder_hidden_states.shape[1], hidden_states.shape[1]), get_sequence_parallel_world_size())
         if layout is None:
             return original(self, hidden_states, encoder_hidden_states, *args, img_ids=img_ids, txt_ids=txt_ids, **kwargs)
-        if not self.__dict__.get("_cocodiff_padding"):
+        if self.__dict__.get("_cocodiff_padding") is not exchanger:
             _first_use(self, exchanger, layout)
         (text, text_to), (image, image_to) = layout.lengths
         encoder_hidden_states = padding.pad_tokens(encoder_hidden_states, text_to, 1)
@@ -103,7 +103,7 @@ def _padding_forward(original):
             txt_ids = padding.pad_tokens(txt_ids, text_to, txt_ids.ndim - 2)
         if img_ids is not None:
             img_ids = padding.pad_tokens(img_ids, image_to, img_ids.ndim - 2)
-        with padding.tokens(layout):
+        with exchanger.padding.tokens(layout):
             output = original(self, hidden_states, encoder_hidden_states, *args, img_ids=img_ids, txt_ids=txt_ids, **kwargs)
         if isinstance(output, tuple):
             return (output[0][:, :image], *output[1:])
@@ -114,9 +114,11 @@ def _padding_forward(original):
 
 @torch.compiler.disable  # host work and a collective, once per transformer: never traced
 def _first_use(transformer, exchanger, layout: padding.Streams) -> None:
-    """A transformer's first forward with padded tokens: said (once: what traced code reads of the
-    host's state is guarded, and a set of the sizes seen would trace every size again as it grew),
-    and the transformer given cocodiff's processors, which padding needs (V-First may be off)."""
+    """A transformer's first forward with padded tokens in this job (``exchanger``'s): said (once:
+    what traced code reads of the host's state is guarded, and a set of the sizes seen would trace
+    every size again as it grew), and the transformer given cocodiff's processors, which padding
+    needs (V-First may be off), with this job's exchanger (a transformer reused by a later job gets
+    the later one's)."""
     from cocodiff_xfuser.processors import families
 
     (text, text_to), (image, image_to) = layout.lengths
@@ -125,4 +127,4 @@ def _first_use(transformer, exchanger, layout: padding.Streams) -> None:
     families.install(transformer, exchanger)
     # Agreed as where xfuser's model loading installs them (every rank's first padded call is here).
     families.agree_fused_kernels()
-    transformer._cocodiff_padding = True
+    transformer._cocodiff_padding = exchanger

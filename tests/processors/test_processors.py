@@ -87,8 +87,10 @@ def _job(ring: bool = False):
     from types import SimpleNamespace
 
     slow = None if ring else SimpleNamespace(remote=(2, 3))
+    from cocodiff_xfuser import padding
+
     return SimpleNamespace(layout=SimpleNamespace(clock_spans_world=ring), group=None, slow_level=slow,
-                           ring_remote=(1,) if ring else (), ring_group=None, ring_v_major=None)
+                           ring_remote=(1,) if ring else (), ring_group=None, padding=padding.Padding())
 
 
 def test_a_new_job_keeps_nothing_of_the_last_ones_v_major():
@@ -106,13 +108,13 @@ def test_a_new_job_keeps_nothing_of_the_last_ones_v_major():
     families.install(model, first)  # the same job again (padding's processors): its V-Major stays
     assert processor.clock is clock and processor.v_major is layer and len(model._forward_pre_hooks) == 1
     families.install(model, second)  # a new job without V-Major
-    assert processor.exchanger is second and processor.clock is None and processor.v_major is None
+    assert processor.exchanger is second and processor.clock is None and processor.v_major is None and processor.ring is None
     assert families.clocks([model]) == [] and not model._forward_pre_hooks and not model._forward_hooks
     families.install(model, third, VMajorSettings.load(warmup_steps=2))  # a new job with its own settings, on the ring
     assert processor.clock is not clock and processor.clock.settings.warmup_steps == 2 and processor.v_major is None
-    assert len(model._forward_pre_hooks) == 2  # the clock's, and the ring's (which exchanger runs it)
-    model._forward_pre_hooks[list(model._forward_pre_hooks)[1]](model, ())
-    assert third.ring_v_major is model._cocodiff_v_major.ring and third.ring_v_major.clock is processor.clock
+    assert len(model._forward_pre_hooks) == 1  # the clock's: the processors hand the ring its calls
+    assert processor.ring is model._cocodiff_v_major.ring and processor.ring.clock is processor.clock
+    assert processor.clock.padding is third.padding  # the job's padding, which its stock steps read
 
 
 def test_wan_cross_attention_keeps_the_stock_processor():

@@ -72,7 +72,7 @@ def test_the_ring_rotater_is_routed_and_stays_torchs_without_an_exchanger():
 
     ring_attention = importlib.import_module(compat.RING_ATTENTION)
     assert compat.is_wrapped(ring_attention._create_rotater) and job.exchanger() is None
-    assert compat.is_wrapped(usp._templated_ring_attention)  # records where the call's tokens are
+    assert compat.is_wrapped(usp._templated_ring_attention)  # counts the traced ring
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert type(ring_attention._create_rotater(dist.group.WORLD, 2)).__name__ == "_AllGatherRotater"
@@ -82,14 +82,12 @@ def test_the_ring_rotater_is_routed_and_stays_torchs_without_an_exchanger():
     def lacking(module, name):
         raise compat.IncompatibleTorch(f"cocodiff-xfuser: {module}.{name} not found in torch x")
 
-    saved = activation._ring_unrouted
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(compat, "torch_private", lacking)
-            activation.route_ring_exchange(usp)
-        assert "_create_rotater not found" in activation._ring_unrouted
-    finally:
-        activation._ring_unrouted = saved
+    assert activation.ring_unrouted() is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compat, "torch_private", lacking)
+        mp.setattr(compat, "switch", lambda *args: pytest.fail("a torch without the rotater factory keeps its own"))
+        activation.route_ring_exchange(usp)
+        assert "_create_rotater not found" in activation.ring_unrouted()
 
 
 def test_missing_patch_target_is_a_clear_error():
