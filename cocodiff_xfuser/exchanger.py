@@ -31,7 +31,7 @@ from cocodiff_xfuser.comm.autotune import AutoAllToAll, DecisionsFile, Registry,
 from cocodiff_xfuser.comm.flat import AllToAllHandle, wait_collective
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.layout import Layout
-from cocodiff_xfuser.settings import Options
+from cocodiff_xfuser.settings import Options, TopK
 from cocodiff_xfuser.ulysses_layout import heads
 
 if TYPE_CHECKING:  # (a type only: the exchanger runs in stock jobs too, which load nothing of V-Major)
@@ -129,10 +129,12 @@ class Exchanger:
         slow_only = agree(options.compress, "--cocodiff-compress") == "fp8-slow"
         v_major = agree(options.v_major, "the V-Major settings (--cocodiff-v-major-*)")
         #: Whether the ring's K/V go through this exchanger's host code, compiled or not: V-Major's step
-        #: residuals over the ring peers on other nodes. Else a compiled graph holds torch's own ring (a
-        #: functional all-gather, as stock's graph does), counted when traced (:meth:`count_traced_ring`);
-        #: eagerly the exchanger gathers them (:meth:`ring_rotater`).
-        self.ring_on_host = bool(v_major) and bool(self.ring_remote)
+        #: residuals over the ring peers on other nodes under a policy whose counts the data or the step
+        #: decides. Else a compiled graph holds the ring: top-k's static exchange
+        #: (:mod:`cocodiff_xfuser.vmajor.ring_graph`), or torch's own ring (a functional all-gather, as
+        #: stock's graph does), counted when traced (:meth:`count_traced_ring`); eagerly the same code
+        #: runs, the gathers through the transport (:meth:`ring_rotater`).
+        self.ring_on_host = bool(v_major) and bool(self.ring_remote) and not isinstance(v_major.rule, TopK)
         if not self.layout.slow_share and self.rank == 0:
             # The layout put the slow links outside Ulysses (ring or CFG across nodes): one line for the job.
             idle = "V-Major and fp8-slow have" if self.levels else "TAPA, V-Major and fp8-slow have"
@@ -262,7 +264,7 @@ class Exchanger:
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
         chosen exchange sends (:func:`heads`; the wire's values, as the V-First processors hand them in)."""
         if self._slow_fp8(tensors[0]):
-            return self._start_slow_fp8(heads(tensors, (self.world_size,), (0,)), label)
+            return self._start_slow_fp8(_written(tensors, (self.world_size,), (0,)), label)
         first = tensors[0]
         b, h, s, d = first.shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
@@ -281,9 +283,9 @@ class Exchanger:
         algorithm = self._counted(route, label).algorithm
         if algorithm == "hierarchical" and route.parts == 1:
             sends = self.autotune.registry.tapa.input_layout(self.group)
-            data, extra = heads(tensors, self.levels, sends), {"layout": sends}
+            data, extra = _written(tensors, self.levels, sends), {"layout": sends}
         else:
-            data, extra = heads(tensors, (self.world_size,), (0,)), {}
+            data, extra = _written(tensors, (self.world_size,), (0,)), {}
         packed = self._packed(data)  # chunks in send order, whichever layout
         data, unpack = packed if packed is not None else (data.view(-1), None)
         started = self.finish(lambda: route.start(data, **extra), label, algorithm, route.where)
@@ -383,7 +385,7 @@ class Exchanger:
         return ring.Rotater(group, lambda buffer: self.start_ring(buffer, group))
 
     def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup, row: int | None = None,
-                   v_major: vmajor_ring.Ring | None = None) -> Exchange:
+                   v_major: vmajor_ring.RingLayer | None = None) -> Exchange:
         """Start the all-gather of ``buffer`` over the ring ``group``: ``[ring size, n]``
         (:mod:`.comm.ring`); under ``v_major`` (its transformer's V-Major on the ring, this call's
         buffer of K then V, each ``row`` elements per token), peers on other nodes exchange step residuals."""
@@ -418,6 +420,13 @@ class Exchanger:
             f"compression {self.options.compress}, "
             f"timeout {self.options.timeout_s:g} s"
         )
+
+
+def _written(tensors: tuple[torch.Tensor, ...], levels: tuple[int, ...], layout: tuple[int, ...]) -> torch.Tensor:
+    """The input exchange's head blocks of ``tensors`` in the order it sends them (:func:`heads`), the copy counted."""
+    data = heads(tensors, levels, layout)
+    commstats.count_copy(data.numel() * data.element_size())
+    return data
 
 
 def _resolve_agreed(spec: str | None) -> topo.Topology:

@@ -105,6 +105,13 @@ class Layout:
             return ()
         return self._remote(sorted(self.ring_groups[self.rank]), self.rank)
 
+    @cached_property
+    def ring_far(self) -> tuple[bool, ...]:
+        """Per ring position, whether it is on another node than this rank's (() without a ring)."""
+        if self.ring_groups is None:
+            return ()
+        return tuple([j in self.ring_remote for j in range(len(self.ring_groups[self.rank]))])
+
     @property
     def ulysses_crosses(self) -> bool:
         """Whether the Ulysses groups cross nodes (all of them alike)."""

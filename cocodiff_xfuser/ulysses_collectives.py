@@ -30,6 +30,8 @@ from cocodiff_xfuser import commstats, padding
 from cocodiff_xfuser.comm import compress, functional, sparse, timing, transport
 from cocodiff_xfuser.comm.flat import ASYNC_COLLECTIVE
 from cocodiff_xfuser.exchanger import Exchanger
+from cocodiff_xfuser.ulysses_layout import heads as head_blocks
+from cocodiff_xfuser.ulysses_layout import output_blocks, output_heads, sequence
 
 
 def applies(exchanger: Exchanger, layer: object | None) -> bool:
@@ -40,7 +42,7 @@ def applies(exchanger: Exchanger, layer: object | None) -> bool:
     where the exchanger was asked for what only its handles do
     (:attr:`~cocodiff_xfuser.exchanger.Exchanger.handles_only`)."""
     return (layer is None and exchanger.options.compress in ("none", "fp8", "fp8-slow")
-            and (not exchanger.handles_only or torch.compiler.is_dynamo_compiling()))
+            and (not exchanger.handles_only or torch.compiler.is_dynamo_compiling() or exchanger.world_size == 1))
 
 
 def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str, copied: int = 0, widen: bool = True) -> torch.Tensor:
@@ -50,6 +52,8 @@ def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str, copied: int = 
     ``copied``: the bytes its caller's layouts copy, counted with it. Without ``widen``, values
     that crossed the emulated wire narrower (:func:`.transport.on_wire`) stay so: eagerly, widening
     waits for the exchange, which its reader does (:func:`wait`)."""
+    if exchanger.world_size == 1:  # a Ulysses group of one (V-First for its ring's V-Major): nothing to send
+        return x
     if exchanger.options.compress == "fp8-slow" and exchanger.slow_level is not None and x.dtype in compress.WIDE:
         return _slow_fp8(exchanger, x, label, copied)
     world, d = exchanger.world_size, x.shape[-1]
@@ -117,6 +121,7 @@ class InFlight:
     def __init__(self, exchanger: Exchanger, exchanged: torch.Tensor, dtype: torch.dtype,
                  timed: tuple[str, int, float, bool] | None = None) -> None:
         self.exchanger, self.exchanged, self.dtype, self.timed = exchanger, exchanged, dtype, timed
+        self.ring = None  # V's exchange: its layer's V-Major on the ring's K/V (:mod:`cocodiff_xfuser.vmajor.ring_graph`)
 
 
 def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -124,15 +129,13 @@ def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tens
     destination-major input of their exchange, ``[W, n, b, h/W, s, d]``."""
     world = exchanger.world_size
     heads = tensors[0].shape[1]
-    blocks = []  # (loops, not comprehensions: each is a Python call per layer)
-    for t in tensors:
-        if t.shape[1] % world:
-            t = padding.pad_heads(t, world)
-        b, h, s, d = t.shape
-        # [b, h, s, d] -> [b, W, h/W, s, d] -> [W, b, h/W, s, d] (head block g for group rank g)
-        blocks.append(t.view(b, world, h // world, s, d).transpose(0, 1))
-    # stacked at dim 1: [W, n, b, h/W, s, d], destination-major, one copy
-    stacked = torch.stack(blocks, 1)
+    if heads % world:
+        padded = []  # (a loop, not a comprehension: each is a Python call per layer)
+        for t in tensors:
+            padded.append(padding.pad_heads(t, world))
+        tensors = tuple(padded)
+    h = tensors[0].shape[1]
+    stacked = head_blocks(tensors, (world,), (0,))  # [W, n, b, h/W, s, d], destination-major, one copy
     if h != heads or exchanger.padding.running is not None:
         exchanger.padding.count(stacked.numel() * stacked.element_size(), heads, h)
     return stacked
@@ -159,17 +162,6 @@ def _timed_start(exchanger: Exchanger, stacked: torch.Tensor, label: str, copied
         pending.exchanged = _widened(pending.exchanged, pending.dtype)
         commstats.record_async(label, nbytes, started, started, timing.now(stacked.device), True)
     return pending
-
-
-def sequence(exchanged: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A source-major exchange result ``[W, n, b, h/W, s, d]`` as n head-sharded ``[b, h/W, W*s, d]``
-    (one copy, which the exchange's caller counts)."""
-    world, n, b, local_heads, s, d = exchanged.shape
-    out = []
-    for i in range(n):
-        # [W, b, h/W, s, d] -> [b, h/W, W, s, d] -> [b, h/W, W*s, d]
-        out.append(exchanged.select(1, i).permute(1, 2, 0, 3, 4).reshape(b, local_heads, world * s, d))
-    return tuple(out)
 
 
 def wait(pending: InFlight) -> tuple[torch.Tensor, ...]:
@@ -210,12 +202,9 @@ def output(value: InFlight, out: torch.Tensor, heads: int) -> torch.Tensor:
     b, h, s, d = out.shape
     if h * world != heads or exchanger.padding.running is not None:
         exchanger.padding.count(out.numel() * out.element_size(), heads, h * world)
-    # [b, h/W, W*s, d] -> [W*s, b, h/W, d]: token block j for group rank j
-    blocks = out.permute(2, 0, 1, 3).contiguous()
+    blocks = output_blocks(out)  # [W*s, b, h/W, d]: token block j for group rank j
     if commstats.timings_on and not torch.compiler.is_dynamo_compiling():
         exchanged = commstats.timed_exchange(lambda t: all_to_all(exchanger, t, "out"), blocks)
     else:
         exchanged = all_to_all(exchanger, blocks, "out")
-    # [W, s, b, h/W, d] -> [b, W, h/W, s, d] -> [b, h, s, d]
-    exchanged = exchanged.reshape(world, s // world, b, h, d).permute(2, 0, 3, 1, 4).reshape(b, world * h, s // world, d)
-    return exchanged if exchanged.shape[1] == heads else exchanged[:, :heads]
+    return output_heads(exchanged, world, heads)

@@ -20,20 +20,16 @@ import torch
 from cocodiff_xfuser import commstats, padding
 from cocodiff_xfuser.comm import timing, transport
 from cocodiff_xfuser.exchanger import Exchanger
-from cocodiff_xfuser.ulysses_layout import heads, sequence
+from cocodiff_xfuser.ulysses_layout import heads, output_blocks, output_heads, output_stacked, output_unstacked, sequence
 from cocodiff_xfuser.vmajor import policy
 from cocodiff_xfuser.vmajor import ring as vmajor_ring
 
 
-def start_v(exchanger: Exchanger, value: torch.Tensor, label: str, layer: policy.Layer | None,
-            ring: vmajor_ring.Ring | None = None) -> PendingExchange:
+def start_v(exchanger: Exchanger, value: torch.Tensor, label: str, layer: policy.Layer | None) -> PendingExchange:
     """V's input exchange of a V-First call (``[b, h, s, d]``), under its V-Major ``layer`` if any,
-    started before its Q/K are projected (counted as the call); ``ring``: its transformer's V-Major
-    on the ring's K/V, which the layer's ring attention hands its K/V."""
+    started before its Q/K are projected (counted as the call)."""
     commstats.count_v_first_call()
-    pending = PendingExchange(exchanger, (value,), label, layer)
-    pending.ring = ring
-    return pending
+    return PendingExchange(exchanger, (value,), label, layer)
 
 
 class PendingExchange:
@@ -46,8 +42,8 @@ class PendingExchange:
     not two (:attr:`cocodiff_xfuser.vmajor.policy.Step.v_rides`).
     """
 
-    #: V's exchange: the transformer's V-Major on the ring's K/V, where the layer's ring attention runs it.
-    ring: vmajor_ring.Ring | None = None
+    #: V's exchange: its layer's V-Major on the ring's K/V, which the layer's ring attention runs.
+    ring: vmajor_ring.RingLayer | None = None
 
     def __init__(
         self,
@@ -92,6 +88,7 @@ class PendingExchange:
                 carrying.start_alone()
             # V-Major compares and caches destination-major data, like xfuser's _combined_qkv_all_to_all.
             stacked = heads(tensors, (world,), (0,))
+            commstats.count_copy(stacked.numel() * stacked.element_size())
             if layer is not None:
                 bookkeeping = time.perf_counter()
                 v_major = layer.begin(stacked)
@@ -140,7 +137,8 @@ class PendingExchange:
             commstats.record_async(self._label, self._nbytes, self._started, waited, finished, self._calibration)
         if exchanged.shape != self._stacked_shape:  # fp8 on the slow links only: rows of its own layout
             exchanged = exchanged.reshape(self._stacked_shape)
-        return sequence(exchanged, self._n)
+        commstats.count_copy(exchanged.numel() * exchanged.element_size())
+        return sequence(exchanged)
 
 
 class _Covered:
@@ -227,15 +225,8 @@ def output(value: PendingExchange, out: torch.Tensor, heads: int) -> torch.Tenso
     exchanger.padding.count(out.numel() * out.element_size(), heads, h * world)
     if v_major is not None:
         # The wire's values, which V-Major's residuals are taken of (the exact exchange rounds its own).
-        stacked = transport.wire_values(out.reshape(b, h, world, s // world, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
+        stacked = transport.wire_values(output_stacked(out, world))
         covered = _Covered.start(exchanger, ("o",), stacked, "out", v_major)
         if covered is not None:
-            exchanged = commstats.timed_exchange(lambda _: covered.wait("o"), stacked)
-            return _real_heads(exchanged.squeeze(1).transpose(0, 1).reshape(b, -1, s // world, d), heads)
-    exchanged = commstats.timed_exchange(lambda t: exchanger.all_to_all(t, "out"), out.permute(2, 0, 1, 3).contiguous())
-    return _real_heads(exchanged.reshape(world, s // world, b, -1, d).permute(2, 0, 3, 1, 4).reshape(b, -1, s // world, d), heads)
-
-
-def _real_heads(out: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[b, h, s, d]`` without the padded heads past ``heads`` (``out`` itself where there are none)."""
-    return out if out.shape[1] == heads else out[:, :heads]
+            return output_unstacked(commstats.timed_exchange(lambda _: covered.wait("o"), stacked), heads)
+    return output_heads(commstats.timed_exchange(lambda t: exchanger.all_to_all(t, "out"), output_blocks(out)), world, heads)

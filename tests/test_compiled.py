@@ -63,18 +63,21 @@ JOBS = {
     "flux-u2-policies": ("tiny-flux", 2, 1, "2x1", ("ulysses", "vmajor", *POLICIES), (), 3),
     # Wan hands its attention function settings (attention_kwargs): still one graph.
     "wan-u2": ("tiny-wan", 2, 1, "2x1", ("ulysses", "cocodiff+vfirst"), (), 3),
+    # The ring across nodes, the only exchange there (Ulysses of one): top-k's V-Major on its K/V in the graph.
+    "flux-r2": ("tiny-flux", 1, 2, "2x1", ("ulysses", "topk"), (), 3),
 }
 #: Token counts the degree does not divide, which stock cannot split (no stock run beside them): 32
 #: text and 256 image tokens over 3 ranks, each on a node of its own.
 PADDED_JOBS = {"flux-u3-padded": ("tiny-flux", 3, 1, "3x1", ("cocodiff+vfirst", "topk"), (), 3)}
 # make test keeps FLUX under xDiT's reduce-overhead mode (flux-u2) and, under the default mode,
 # HunyuanVideo's joint path (processors/test_processors.py).
-SLOW_JOBS = {"flux-u2-fp8", "sd3-u2-fp8", "flux-u2r2", "flux-u2-auto", "flux-u2-policies", "wan-u2"}
+SLOW_JOBS = {"flux-u2-fp8", "sd3-u2-fp8", "flux-u2r2", "flux-u2-auto", "flux-u2-policies", "wan-u2", "flux-r2"}
 CASES = [["a cat", 1], ["a dog", 2]]
 
 
 #: Jobs run again eagerly ("<job> eager"), for these of their backends.
-EAGER_TWINS = {"flux-u2": ("topk", "topk-exact", "cocodiff+vfirst"), "flux-u2-fp8": ("fp8-slow",), "flux-u3-padded": ("cocodiff+vfirst",)}
+EAGER_TWINS = {"flux-u2": ("topk", "topk-exact", "cocodiff+vfirst"), "flux-u2-fp8": ("fp8-slow",), "flux-u3-padded": ("cocodiff+vfirst",),
+               "flux-r2": ("topk",)}
 
 
 def _generate(job: str, out: Path) -> Path:
@@ -159,7 +162,7 @@ def test_compiled_cocodiff_breaks_only_at_exchanges_and_never_recompiles(generat
         assert ran["v_major_sparse"] and ran["fallbacks"].get("v-first: stock processors' step (auto)"), ran
         return
     assert ran["fallbacks"] == {}, ran
-    if backend == "vmajor" and JOBS[job][2] > 1:
+    if backend in ("vmajor", "topk") and JOBS[job][2] > 1:
         assert ran["exchanges"].get("ring v-major"), ran
     elif backend in ("vmajor", "topk") or backend in POLICIES:
         assert ran["v_major_sparse"] and ran["v_major"]["tokens"] > 0, ran
@@ -258,6 +261,28 @@ def test_compiled_v_major_holds_functional_collectives_and_no_host_read(generate
     assert max(exchanges_in_flight(code)) >= 2, exchanges_in_flight(code)
     for rank in result["dynamo"]:  # its graphs: the first step's and the sparse steps', made in the first call
         assert rank[1]["frames"] == rank[2]["frames"] and not rank[2]["graph_breaks"], rank
+
+
+@pytest.mark.slow  # two jobs (compiled, eager twin); make test runs top-k's ring eagerly (tools/test_cli.py, requests)
+def test_compiled_v_major_on_the_ring_stays_in_the_graph(generated):
+    # Ulysses of one x Ring 2 over two nodes: the ring's K/V are the only exchange across nodes, top-k's
+    # V-Major on them a collective of the graph with split sizes fixed when traced (an all-gather at the
+    # first step). No graph break that stock's ring job has not, no recompile, no host read; the eager
+    # twin runs the same code: the same images but for compiled arithmetic's last bits.
+    out = generated("flux-r2")
+    stock_breaks = {r for rank in _result(out, "flux-r2", "ulysses")["dynamo"] for r in rank[-1]["graph_breaks"]}
+    result = _result(out, "flux-r2", "topk")
+    for rank in result["dynamo"]:
+        setup, first, second = rank
+        assert first["frames"] == second["frames"] and set(second["graph_breaks"]) <= stock_breaks, rank
+    ran = result["ran"]
+    assert set(ran["exchanges"]) == {"ring all-gather", "ring v-major"} and ran["fallbacks"] == {}, ran
+    assert ran["slow_link_bytes"] < ran["slow_link_bytes_exact"] / 2, ran
+    code = json.loads((output_dir(out, tiny_models.SPECS["tiny-flux"].model_id, "topk") / "inductor_code.json").read_text())
+    assert code and host_work(code) == [], host_work(code)
+    eager = _result(generated("flux-r2 eager"), "flux-r2", "topk")["ran"]
+    assert {k: v > 0 for k, v in eager["exchanges"].items()} == {k: v > 0 for k, v in ran["exchanges"].items()}, eager
+    assert min(_psnr(_images(out, "flux-r2", "topk"), _images(generated("flux-r2 eager"), "flux-r2", "topk"))) >= 80
 
 
 @pytest.mark.slow  # two jobs (compiled, eager twin); make test's padded tokens run eagerly (test_padding.py, xfuser/test_hooks.py)

@@ -37,15 +37,26 @@ def default_timeout_s() -> float:
     return value
 
 
-_timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+def _raise(line: str) -> NoReturn:
+    raise ExchangeFailed(line)
+
+
+class _Policy:
+    """What this process does about a failed exchange: the bound on every wait, and the handler of
+    its one line (set once per job: :func:`set_timeout`, :func:`set_handler`)."""
+
+    timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
+    handler: Callable[[str], NoReturn] = staticmethod(_raise)
+
+
+_policy = _Policy()
 
 
 def set_timeout(timeout_s: float) -> None:
     """Bound every wait of cocodiff's exchanges and every sub-group cocodiff creates from now on.
     (xfuser's own groups, the excepthook and SIGTERM are process-wide policy, set by
     :mod:`cocodiff_xfuser.xfuser.fault_policy`.)"""
-    global _timeout
-    _timeout = timedelta(seconds=timeout_s)
+    _policy.timeout = timedelta(seconds=timeout_s)
 
 
 # (label, where) of the exchanges this rank is inside, innermost last: nested where a measurement
@@ -76,7 +87,7 @@ def waiting_in() -> tuple[str, str] | None:
 
 def timeout() -> timedelta:
     """The bound on every wait (``work.wait(timeout())``) and on the sub-groups cocodiff creates."""
-    return _timeout
+    return _policy.timeout
 
 
 def _first_line(error: BaseException) -> str:
@@ -89,23 +100,15 @@ def failed(where: str, error: BaseException) -> ExchangeFailed:
     return ExchangeFailed(f"{where}: {_first_line(error)}")
 
 
-def _raise(line: str) -> NoReturn:
-    raise ExchangeFailed(line)
-
-
-_handler: Callable[[str], NoReturn] = _raise
-
-
 def set_handler(handler: Callable[[str], NoReturn]) -> None:
     """What a failed exchange does with its one line (the process's fault policy; default: raise it)."""
-    global _handler
-    _handler = handler
+    _policy.handler = handler
 
 
 def failed_exchange(rank: int, label: str, where: str, timeout_s: float, error: BaseException) -> NoReturn:
     """A failed exchange: one line naming the rank, the exchange (``label``, ``where``: algorithm
     and group, and the phase and sub-group the error names) and the timeout, to the fault handler."""
-    _handler(
+    _policy.handler(
         f"cocodiff: rank {rank}: exchange '{label}' ({where}) did not complete: {_first_line(error)}; "
         f"timeout {timeout_s:g} s (--cocodiff-timeout / ${TIMEOUT_ENV}); ending the job"
     )

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-
-from cocodiff_xfuser import compat
+import torch.distributed as dist
 
 from . import transport
 
@@ -88,22 +87,21 @@ class Rotater:
 
 
 def attend(op: Callable[..., Any], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group: Any,
-           start: Callable[[torch.Tensor], Any], **kwargs: Any) -> torch.Tensor:
+           start: Callable[[torch.Tensor], Any], merger: Any, **kwargs: Any) -> torch.Tensor:
     """Ring attention as xfuser's ``ring_attn`` runs torch's ``_templated_ring_attention`` (not causal,
-    no load balance, ``seq_dim`` 1), with K/V moved by a :class:`Rotater` over ``start`` (the gather of
-    this call's first buffer): the same ``op`` calls on the same blocks merged in the same order by
-    torch's merger, so the bits of torch's ring over the same bytes. ``kwargs`` go to ``op``."""
-    options = compat.torch_private(compat.RING_ATTENTION, "_cp_options")
-    merger = compat.torch_private(compat.RING_ATTENTION, "_SDPAMerger")(options.convert_to_f32, seq_dim=1)
-    _, size = transport.group_info(group)
+    no load balance, ``seq_dim`` 1) over torch's all-gather rotation: ``start(buffer)`` gathers this
+    call's K then V (flattened) once, a handle whose ``wait`` gives ``[ring size, n]``, and step ``i``
+    attends to ring rank ``rank - i``'s block. The same ``op`` calls on the same blocks, merged in the
+    same order by torch's ``merger`` (a new ``_SDPAMerger``, as the caller makes it): the bits of
+    torch's ring over the same bytes. ``kwargs`` go to ``op``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)  # (what a traced graph reads of the group)
     key, value = key.contiguous(), value.contiguous()  # as torch's loop makes them
-    rotater = Rotater(group, start)
+    gathered = start(torch.cat([key.flatten(), value.flatten()])) if size > 1 else None
+    n = key.numel()
     for i in range(size):
         if i > 0:
-            kv = rotater.next_buffer()  # ring rank (rank - i)'s K then V, flattened
-            key, value = kv[:key.numel()].reshape(key.shape), kv[key.numel():].reshape(value.shape)
-        if i < size - 1:
-            rotater.exchange_buffers(torch.cat([key.flatten(), value.flatten()]))
+            kv = gathered.wait()[rank - i]  # ring rank (rank - i)'s K then V; negative: wraps as torch's chunk index
+            key, value = kv[:n].reshape(key.shape), kv[n:].reshape(value.shape)
         out, lse, *_ = op(query, key, value, is_causal=False, **kwargs)
         merger.step(out, lse, False)
     return merger.results()[0]

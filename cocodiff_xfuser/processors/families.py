@@ -135,13 +135,12 @@ def agree_fused_kernels() -> None:
 
 
 class _Attached:
-    """V-Major on one transformer for one job (``exchanger``'s): its step clock, the ring's V-Major
-    where the ring crosses nodes, and the hooks that drive them. Kept on the transformer for the
-    job, and dropped, hooks removed, when another job's exchanger is installed there."""
+    """V-Major on one transformer for one job (``exchanger``'s): its step clock and the hooks that
+    drive it. Kept on the transformer for the job, and dropped, hooks removed, when another job's
+    exchanger is installed there."""
 
     def __init__(self, exchanger: Exchanger, clock: vmajor_clock.Clock, hooks: list) -> None:
         self.exchanger, self.clock, self.hooks = exchanger, clock, hooks
-        self.ring: ring.Ring | None = None
 
 
 def _leave_other_job(transformer: torch.nn.Module, exchanger: Exchanger, processors: list) -> None:
@@ -176,11 +175,13 @@ def _attach_v_major(transformer: torch.nn.Module, exchanger: Exchanger, settings
             processor.v_major = policy.Layer(clock, settings, exchanger.slow_level.remote)
     if exchanger.slow_level is not None:
         logger.info("cocodiff: V-Major on %d attention layers: %s", clock.layers, settings.describe())
-    if exchanger.ring_remote and attached.ring is None:
-        attached.ring = ring.Ring(clock, settings, exchanger.ring_group, exchanger.ring_remote)
+    if exchanger.ring_remote:
+        # After the Ulysses layers, in the processors' order (their calls' order): each processor's
+        # ring attention hands its layer its calls.
+        for processor in processors:
+            if processor.ring is None:
+                processor.ring = ring.RingLayer(clock, settings, exchanger.ring_group, exchanger.layout.ring_far)
         logger.info("cocodiff: V-Major on the ring's K/V across nodes: %s", settings.describe())
-    for processor in processors:
-        processor.ring = attached.ring  # each processor's ring attention hands it its calls
 
 
 def clocks(transformers: list[torch.nn.Module]) -> list[vmajor_clock.Clock]:

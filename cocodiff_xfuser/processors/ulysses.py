@@ -29,9 +29,15 @@ from cocodiff_xfuser.vmajor import clock as vmajor_clock
 from cocodiff_xfuser.vmajor import graph as vmajor_graph
 from cocodiff_xfuser.vmajor import policy
 from cocodiff_xfuser.vmajor import ring as vmajor_ring
+from cocodiff_xfuser.vmajor import ring_graph
 
 logger = logging.getLogger("cocodiff_xfuser")
 _warned: set[str] = set()
+try:  # torch's ring merge and its options, looked up once (a lookup in traced code breaks its graph)
+    _RING_MERGE = (compat.torch_private(compat.RING_ATTENTION, "_SDPAMerger"),
+                   compat.torch_private(compat.RING_ATTENTION, "_cp_options"))
+except compat.IncompatibleTorch:  # the ring's K/V then stay stock's (activation.ring_unrouted): never read
+    _RING_MERGE = None
 
 
 class VFirst:
@@ -43,7 +49,7 @@ class VFirst:
 
     exchanger: Exchanger | None = None
     v_major: policy.Layer | None = None
-    ring: vmajor_ring.Ring | None = None
+    ring: vmajor_ring.RingLayer | None = None
     clock: vmajor_clock.Clock | None = None
 
 
@@ -65,14 +71,19 @@ def start_input_exchange(
     projections between run as a graph of their own while V's exchange is in flight.
     """
     exchanger, layer = processor.exchanger, processor.v_major
-    if not exchanger.ring_on_host:
+    pending = None
+    # (A Ulysses group of one, V-First for its ring's V-Major, exchanges nothing: eagerly, the same path.)
+    if not exchanger.ring_on_host or (exchanger.world_size == 1 and not torch.compiler.is_dynamo_compiling()):
         if layer is not None and vmajor_graph.applies(exchanger, layer):  # eagerly too: the same code
-            return vmajor_graph.start_v(exchanger, layer, value, label)
-        if ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
-            return ulysses_collectives.start_v(exchanger, value, label)
-    if torch.compiler.is_dynamo_compiling():
-        return OnHost(_start_on_host(processor, value, label=label))
-    return ulysses_handles.start_v(exchanger, value, label, layer, processor.ring)
+            pending = vmajor_graph.start_v(exchanger, layer, value, label)
+        elif ulysses_collectives.applies(exchanger, layer):  # eagerly too: the same code
+            pending = ulysses_collectives.start_v(exchanger, value, label)
+    if pending is None:
+        if torch.compiler.is_dynamo_compiling():
+            return OnHost(_start_on_host(processor, value, label=label))
+        pending = ulysses_handles.start_v(exchanger, value, label, layer)
+    pending.ring = processor.ring  # its ring attention's V-Major, handed to it explicitly
+    return pending
 
 
 _start_on_host = torch.compiler.disable(start_input_exchange)
@@ -127,9 +138,8 @@ def attention(
     key, value = pending.exchanger.padding.keep_keys(key, value)  # the running forward's padded tokens, if any
     if attention_kwargs:  # (without them stock's trim returns K and V as they are)
         key, value = compat.usp("_trim_trailing_kv_padding")(key, value, attention_kwargs)
-    ring = pending.ring if path is ulysses_handles else None  # (V-Major on the ring takes the handles)
     out = _attend(compat.private(compat.USP, "_get_attention_function")(), query, key, value, joint_attn_kwargs, attention_kwargs,
-                  pending.exchanger, ring)
+                  pending.exchanger, pending.ring)
     return path.output(pending, out, head_count)
 
 
@@ -156,10 +166,11 @@ def _joined(query, joint_query, joint_key, joint_value, joint_strategy) -> tuple
 
 
 def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_kwargs, exchanger: Exchanger,
-            ring: vmajor_ring.Ring | None) -> torch.Tensor:
+            ring: vmajor_ring.RingLayer | None) -> torch.Tensor:
     """``USP``'s attention of head-sharded Q, K, V, over the ring where there is one: xfuser's
-    ``ring_attn``, or under V-Major on the ring (``ring``) torch's loop over a rotater of this call's,
-    which hands ``ring`` this call's K/V (:meth:`~cocodiff_xfuser.exchanger.Exchanger.start_ring`)."""
+    ``ring_attn``, or under V-Major on the ring (``ring``, the layer's) torch's loop over a gather
+    of this call's that hands ``ring`` its K/V: top-k's static exchange (:mod:`.ring_graph`), the
+    others' through the exchanger (:meth:`~cocodiff_xfuser.exchanger.Exchanger.start_ring`)."""
     from xfuser.core.distributed import get_ring_parallel_world_size
     from xfuser.model_executor.layers.usp import ring_attn
 
@@ -174,8 +185,14 @@ def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_
     # What V-Major reads as a token of K and of V: the elements past the sequence dimension xfuser
     # names (1) to torch's ring, where K and V are alike (None: the exact gather).
     row = math.prod(key.shape[2:]) if key.shape == value.shape else None
-    return comm_ring.attend(attention_function, query, key, value, group,
-                            lambda buffer: exchanger.start_ring(buffer, group, row, ring),
+    if row is not None and ring_graph.applies(ring.settings):
+        def start(buffer):
+            return ring_graph.Gathered(ring, buffer, row)
+    else:
+        def start(buffer):
+            return exchanger.start_ring(buffer, group, row, ring)
+    merger, options = _RING_MERGE
+    return comm_ring.attend(attention_function, query, key, value, group, start, merger(options.convert_to_f32, seq_dim=1),
                             dropout_p=0.0, joint_attn_kwargs=joint_attn_kwargs, attention_kwargs=attention_kwargs)
 
 
@@ -214,11 +231,16 @@ def fallback_reason(
 
 
 def _v_first_in_graph(processor: object, extra: Callable[[], str | None] | None) -> bool:
+    exchanger = getattr(processor, "exchanger", None)
+    return exchanger is not None and not exchanger.closed and _exchanges(processor) and _local_reason(extra) is None
+
+
+def _exchanges(processor: object) -> bool:
+    """Whether ``processor`` has an exchange of cocodiff's to run: its Ulysses group's (of more than
+    one rank), or V-Major on its ring's K/V (which the stock processor's ring attention would not run)."""
     from xfuser.core.distributed import get_ulysses_parallel_world_size
 
-    exchanger = getattr(processor, "exchanger", None)
-    return (exchanger is not None and not exchanger.closed and get_ulysses_parallel_world_size() > 1
-            and _local_reason(extra) is None)
+    return get_ulysses_parallel_world_size() > 1 or getattr(processor, "ring", None) is not None
 
 
 def _stock_step(processor: object) -> str | None:
@@ -233,10 +255,9 @@ def _stock_step(processor: object) -> str | None:
 
 @torch.compiler.disable  # compiled: a graph break at the layer's entry, the decision on the host
 def _decide(processor: object, extra: Callable[[], str | None] | None, inputs: Sequence[torch.Tensor | None]) -> str | None:
-    from xfuser.core.distributed import get_ulysses_parallel_world_size
 
     exchanger = getattr(processor, "exchanger", None)
-    if exchanger is None or exchanger.closed or get_ulysses_parallel_world_size() == 1:
+    if exchanger is None or exchanger.closed or not _exchanges(processor):
         return _counted("no Ulysses exchange", None)
     local = _local_reason(extra)
     # Kept by the job's exchanger, never on the model: a new job agrees again.

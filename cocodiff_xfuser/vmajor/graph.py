@@ -8,7 +8,7 @@ again at the next step. Each exchange is one ``all_to_all_single`` over the Ulys
 split sizes fixed by the shapes and that count (node-mates get whole chunks, ranks on other nodes
 the rows, after a bitmask of them in V's exchange, whose receivers learn from it which rows Q/K's
 and the output's carry), which inductor schedules and a CUDA graph captures as stock's exchange
-(eagerly, cocodiff's point-to-point batch of the same pieces: :func:`_uneven_all_to_all`).
+(eagerly, cocodiff's point-to-point batch of the same pieces: :func:`uneven_all_to_all`).
 No operator of cocodiff's, no host read. V's exchange is issued before Q and K are projected and
 received after Q/K's is issued; at a sparse step, where V's exchange is its few changed rows and
 there is little to hide, V's rows ride in Q/K's exchange instead (one input exchange per layer, its
@@ -25,8 +25,8 @@ when the graph is traced (:func:`cocodiff_xfuser.commstats.traced`).
 Scopes, residual dtypes, warm-up, refresh and the first step follow
 :class:`cocodiff_xfuser.settings.VMajorSettings`. Counts that depend on the data (budget,
 threshold) or on the step (schedule) cannot be fixed before a graph is traced without carrying one
-request's measurements into the next: those policies, auto, V-Major on the ring's K/V and fp8 on the
-wire take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`), which a compiled job
+request's measurements into the next: those policies, auto, V-Major on the ring's K/V under them
+(top-k's ring has a static path of its own, :mod:`.ring_graph`) and fp8 on the wire take the per-call path (:mod:`.policy`, :mod:`cocodiff_xfuser.comm.sparse`), which a compiled job
 runs between its graphs (:func:`cocodiff_xfuser.processors.ulysses.start_input_exchange`).
 """
 
@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from cocodiff_xfuser import commstats, compat, ulysses_collectives
+from cocodiff_xfuser import commstats, compat, ulysses_collectives, ulysses_layout
 from cocodiff_xfuser.comm import functional, residuals, sparse, transport
 from cocodiff_xfuser.settings import TopK
 from cocodiff_xfuser.vmajor import policy
@@ -48,8 +48,8 @@ _wait_tensor = compat.torch_private("torch.distributed._functional_collectives",
 
 def applies(exchanger, layer: policy.Layer | None) -> bool:
     """Whether ``layer``'s calls take this path: a Ulysses layer whose group crosses nodes, a count
-    fixed by the settings (top-k), no V-Major on the ring's K/V (host code per ring attention), values
-    exchanged as they are (no fp8). Padded tokens are zeros that never change: never selected, and
+    fixed by the settings (top-k), no V-Major on the ring's K/V on the host (the per-call policies'),
+    values exchanged as they are (no fp8). Padded tokens are zeros that never change: never selected, and
     cut from K and V as the exact path cuts them."""
     return (layer is not None and isinstance(layer.settings.rule, TopK) and not exchanger.ring_on_host
             and exchanger.options.compress == "none" and exchanger.slow_level is not None
@@ -93,6 +93,7 @@ class LayerCall:
         self.v: _InFlight | None = None  # V's exchange in flight
         #: V (destination-major) and its exchange's label, where its rows wait to ride in Q/K's exchange.
         self.v_waiting: tuple[torch.Tensor, str] | None = None
+        self.ring = None  # the layer's V-Major on the ring's K/V (:mod:`.ring_graph`)
 
 
 def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> LayerCall:
@@ -130,11 +131,11 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> 
     if follows and query.shape[2] == tokens and query.shape == key.shape:
         if call.v is None:  # V's rows ride: one exchange for the three
             qkv = torch.cat((_stacked(exchanger, (query, key)), call.v_waiting[0]), 1)  # [W, 3, b, h/W, s, d]
-            query, key, value = ulysses_collectives.sequence(_receive(call, _issue(call, "qkv", qkv, "qk", by_receiver=False)))
+            query, key, value = ulysses_layout.sequence(_receive(call, _issue(call, "qkv", qkv, "qk", by_receiver=False)))
             return query, key, value
         pending = _issue(call, "qk", _stacked(exchanger, (query, key)), "qk", by_receiver=False)
-        (value,) = ulysses_collectives.sequence(_receive(call, call.v))
-        query, key = ulysses_collectives.sequence(_receive(call, pending))
+        (value,) = ulysses_layout.sequence(_receive(call, call.v))
+        query, key = ulysses_layout.sequence(_receive(call, pending))
         return query, key, value
     if query.shape == key.shape:
         query, key = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query, key), "qk"))
@@ -143,11 +144,11 @@ def exchange_inputs(query: torch.Tensor, key: torch.Tensor, call: LayerCall) -> 
         (query,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (query,), "q"))
         if follows and key.shape[2] == tokens:
             pending = _issue(call, "k", _stacked(exchanger, (key,)), "k", by_receiver=False)
-            (value,) = ulysses_collectives.sequence(_receive(call, call.v))
-            (key,) = ulysses_collectives.sequence(_receive(call, pending))
+            (value,) = ulysses_layout.sequence(_receive(call, call.v))
+            (key,) = ulysses_layout.sequence(_receive(call, pending))
             return query, key, value
         (key,) = ulysses_collectives.wait(ulysses_collectives.start(exchanger, (key,), "k"))
-    (value,) = ulysses_collectives.sequence(_receive(call, _v_issued(call)))
+    (value,) = ulysses_layout.sequence(_receive(call, _v_issued(call)))
     return query, key, value
 
 
@@ -160,12 +161,8 @@ def output(call: LayerCall, out: torch.Tensor, heads: int) -> torch.Tensor:
     if call.settings.scope != "qkvo" or call.caches is None or s != call.shape[4]:
         return ulysses_collectives.output(call, out, heads)
     call.exchanger.padding.count(out.numel() * out.element_size(), heads, local_heads * world)
-    # [b, h/W, W*s, d] -> [W, 1, b, h/W, s, d]: token block j for group rank j
-    x = transport.wire_values(out.reshape(b, local_heads, world, s, d).permute(2, 0, 1, 3, 4).unsqueeze(1).contiguous())
-    exchanged = _receive(call, _issue(call, "o", x, "out", by_receiver=True))
-    # [W, 1, b, h/W, s, d]: head block i from rank i -> [b, W, h/W, s, d] -> [b, h, s, d]
-    result = exchanged.squeeze(1).transpose(0, 1).reshape(b, world * local_heads, s, d)
-    return result if result.shape[1] == heads else result[:, :heads]
+    x = transport.wire_values(ulysses_layout.output_stacked(out, world))  # [W, 1, b, h/W, s, d]: token block j for rank j
+    return ulysses_layout.output_unstacked(_receive(call, _issue(call, "o", x, "out", by_receiver=True)), heads)
 
 
 #: Shapes a layer keeps caches for at most (the oldest dropped first): a service of many image
@@ -280,16 +277,16 @@ def _issue(call: LayerCall, name: str, x: torch.Tensor, label: str, by_receiver:
     payload = torch.cat(pieces)
     if commstats.timings_on and not torch.compiler.is_dynamo_compiling():
         # Eagerly it blocks: timed as stock's exchange is, over the data it stands for.
-        out = commstats.timed_exchange(lambda _: _uneven_all_to_all(payload, sizes, call.exchanger.group), x)
+        out = commstats.timed_exchange(lambda _: uneven_all_to_all(payload, sizes, call.exchanger.group), x)
     else:
-        out = _uneven_all_to_all(payload, sizes, call.exchanger.group)
+        out = uneven_all_to_all(payload, sizes, call.exchanger.group)
     commstats.traced("count_exchange", "v-major one-phase", label, len(call.remote) * piece, len(call.remote) * full)
     if not every:
         commstats.traced("count_v_major_sparse", "qk+v" if name == "qkv" else name)
     return _InFlight(name, out, received, sizes, data_bytes, by_receiver)
 
 
-def _uneven_all_to_all(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+def uneven_all_to_all(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """The exchange of flat ``x`` in pieces of ``sizes`` both ways over ``group``: traced, the
     functional collective a graph holds; eagerly, on every backend, cocodiff's point-to-point batch
     of the same pieces (as the per-call path sends its rows, :func:`.sparse.post_uneven`), waited

@@ -23,12 +23,20 @@ logger = logging.getLogger("cocodiff_xfuser")
 
 
 _numbers = itertools.count()
-_by_number: weakref.WeakValueDictionary[int, Layer] = weakref.WeakValueDictionary()
+_by_number: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
-def numbered(number: int) -> Layer:
-    """The layer whose :attr:`Layer.number` is ``number``."""
+def numbered(number: int) -> Any:
+    """The layer (Ulysses or ring) :func:`register` numbered ``number``."""
     return _by_number[number]
+
+
+def register(layer: Any) -> int:
+    """The number trace-time calls (:func:`cocodiff_xfuser.compat.trace_time`), which take no
+    Python objects, name ``layer`` by (:func:`numbered`)."""
+    number = next(_numbers)
+    _by_number[number] = layer
+    return number
 
 
 class Layer:
@@ -46,8 +54,7 @@ class Layer:
         self.buffers: dict[tuple, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         #: How trace-time calls (:func:`cocodiff_xfuser.compat.trace_time`), which take no Python objects, name
         #: this layer (:func:`numbered`).
-        self.number = next(_numbers)
-        _by_number[self.number] = self
+        self.number = register(self)
 
     def stopped(self) -> bool:
         """Whether this call runs without V-Major, as V-First alone: auto turned it off for the job

@@ -3,8 +3,8 @@ the copy they hold.
 
 Under Ulysses inside the node and Ring across nodes, the ring attention's K/V are the only per-layer
 traffic over the slow links, and adjacent denoising steps produce similar K and V as they do V. Each
-ring-attention call of a transformer call is a layer (the calls come in the same order at every
-step, on every rank). The buffer a rank gathers over the ring (its K, then its V, flattened) is read
+V-First processor's ring attention is a layer (:class:`RingLayer`, the processor's, handed to each
+of its calls explicitly). The buffer a rank gathers over the ring (its K, then its V, flattened) is read
 as tokens ``[2, T, row]`` (K|V, the tokens of the call in order, one token's elements); the policy
 selects tokens as it does for V (:mod:`.policy`, the counts on the transformer's clock), and the
 tokens travel to peers on other nodes through :mod:`cocodiff_xfuser.comm.residuals` (their change,
@@ -14,7 +14,9 @@ sender, the reference its peers on other nodes hold of its own.
 
 The counts every ring peer sends must be known to its receivers: the policies that fix them do so
 from the step and the clock's agreed shares (agreed over the world, which holds every ring group);
-``threshold`` agrees them per call over the ring group.
+``threshold`` agrees them per call over the ring group. This is the per-call path, run on the host
+(between a compiled job's graphs); top-k's counts are fixed by the settings, and its ring layers
+take the static path a graph holds (:mod:`.ring_graph`).
 """
 
 from __future__ import annotations
@@ -29,39 +31,7 @@ from cocodiff_xfuser.comm import residuals, sparse, transport
 from cocodiff_xfuser.comm.ring import Remote
 from cocodiff_xfuser.settings import VMajorSettings
 from cocodiff_xfuser.vmajor.clock import Clock
-from cocodiff_xfuser.vmajor.policy import decide
-
-
-class Ring:
-    """V-Major on one transformer's ring: a :class:`RingLayer` per ring-attention call within one
-    transformer call, in call order. ``group``: the ring group; ``remote``: the ring ranks on other
-    nodes than this rank's."""
-
-    def __init__(self, clock: Clock, settings: VMajorSettings, group: Any, remote: tuple[int, ...]) -> None:
-        self.clock, self.settings, self.group, self.remote = clock, settings, group, remote
-        self.layers: list[RingLayer] = []
-        self._call: tuple[int, int, int] | None = None  # the transformer call the layer count is of
-        self._next = 0
-
-    def begin(self, buffer: torch.Tensor, row: int | None) -> RingStep | None:
-        """This call's step for ``buffer`` (K then V, each ``row`` elements per token); None: the
-        exact gather, nothing kept (V-Major off, a timed exact step, over the cache budget, or a
-        buffer that is not two equal halves of whole tokens)."""
-        clock, call = self.clock, self.clock.current
-        if call is None:  # the transformer called outside a pipeline call: nothing to keep
-            clock.outside_call()
-            return None
-        now = (clock.calls, call.step, call.branch)
-        if now != self._call:
-            self._call, self._next = now, 0
-        if self._next == len(self.layers):
-            self.layers.append(RingLayer(self))
-        layer = self.layers[self._next]
-        self._next += 1
-        if row is None or buffer.numel() % (2 * row):
-            commstats.count_fallback("v-major ring: K and V of different shapes")
-            return None
-        return layer.begin(buffer.view(2, -1, row))  # [K|V, T, row]
+from cocodiff_xfuser.vmajor.policy import decide, register
 
 
 @dataclass
@@ -73,16 +43,32 @@ class _Caches:
 
 
 class RingLayer:
-    """V-Major's state of one ring-attention call of a transformer call."""
+    """V-Major on one V-First processor's ring attention, on its transformer's ``clock``: ``group``,
+    the ring group; ``far``, per ring rank, whether it is on another node than this rank's (what it
+    receives crosses slow links: :attr:`remote`)."""
 
-    def __init__(self, ring: Ring) -> None:
-        self.ring, self.clock, self.settings = ring, ring.clock, ring.settings
-        self.index = ring.clock.layers  # on the clock, beside the Ulysses layers
-        ring.clock.layers += 1
+    def __init__(self, clock: Clock, settings: VMajorSettings, group: Any, far: tuple[bool, ...]) -> None:
+        self.clock, self.settings, self.group, self.far = clock, settings, group, far
+        self.remote = tuple([j for j, crosses in enumerate(far) if crosses])
+        self.index = clock.layers  # on the clock, beside the Ulysses layers
+        clock.layers += 1
+        #: (branch, the buffer's [2, T, row] shape, dtype, device) -> (reference, copies): the caches of
+        #: the static path (:mod:`.ring_graph`), kept from call to call.
+        self.buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.number = register(self)
 
-    def begin(self, x: torch.Tensor) -> RingStep | None:
-        """Decide this call's exchange of ``x`` (``[2, T, row]``), in the pipeline call in progress."""
-        ring, clock, settings, call = self.ring, self.clock, self.settings, self.clock.current
+    def begin(self, buffer: torch.Tensor, row: int | None) -> RingStep | None:
+        """This call's step for ``buffer`` (K then V, each ``row`` elements per token), in the
+        pipeline call in progress; None: the exact gather, nothing kept (V-Major off, a timed exact
+        step, over the cache budget, or a buffer that is not two equal halves of whole tokens)."""
+        clock, settings, call = self.clock, self.settings, self.clock.current
+        if call is None:  # the transformer called outside a pipeline call: nothing to keep
+            clock.outside_call()
+            return None
+        if row is None or buffer.numel() % (2 * row):
+            commstats.count_fallback("v-major ring: K and V of different shapes")
+            return None
+        x = buffer.view(2, -1, row)  # [K|V, T, row]
         if clock.off:
             call.drop(self.index)
         if clock.off or clock.exact_step():  # auto's exact steps keep the caches: they still match
@@ -90,17 +76,16 @@ class RingLayer:
         key = (self.index, call.branch)
         caches = call.caches.get(key)
         if caches is None or caches.reference is None or caches.reference.shape != x.shape:
-            nbytes = x.numel() * x.element_size() * (1 + len(ring.remote))
+            nbytes = x.numel() * x.element_size() * (1 + len(self.remote))
             if not call.budget.admit(key, nbytes, settings.budget_mib):
                 commstats.count_fallback("v-major: cache budget")
                 return None
             caches = call.caches[key] = _Caches()
         reference, residual = caches.reference, settings.residual
-        world = transport.group_info(ring.group)[1]
-        selection = decide(self, x, reference, 1, (0, 2), _token_bytes(x, residual) if residual else 0, world)
+        selection = decide(self, x, reference, 1, (0, 2), token_bytes(x, residual) if residual else 0, len(self.far))
         if selection is None:
-            return RingStep(caches, x, ring.remote, None, None, residual)
-        return RingStep(caches, x, ring.remote, selection, residuals.encode(x, reference, selection.active, 1, residual), residual)
+            return RingStep(caches, x, self.remote, None, None, residual)
+        return RingStep(caches, x, self.remote, selection, residuals.encode(x, reference, selection.active, 1, residual), residual)
 
 
 class RingStep:
@@ -116,7 +101,7 @@ class RingStep:
         if selection is None:
             caches.reference = x  # what the peers will hold (torch builds the buffer anew per call)
             return
-        tokens, row_bytes = x.shape[1], _token_bytes(x, residual)
+        tokens, row_bytes = x.shape[1], token_bytes(x, residual)
         # The mask ahead of the rows, where some tokens but not all travel.
         sizes = {j: ((sparse.index_size(k, tokens),) if sparse.index_size(k, tokens) else ()) + (k * row_bytes,)
                  for j in peers for k in [selection.counts[j]]}
@@ -152,6 +137,6 @@ class RingStep:
         return out
 
 
-def _token_bytes(x: torch.Tensor, residual: torch.dtype | None) -> int:
+def token_bytes(x: torch.Tensor, residual: torch.dtype | None) -> int:
     """One token's K and V (``x``: ``[2, T, row]``) as they travel: in the residual dtype, or as values."""
     return 2 * (x.shape[2] * x.element_size() if residual is None else residuals.row_bytes(x.shape[2], residual))

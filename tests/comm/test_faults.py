@@ -141,7 +141,7 @@ def test_a_failed_exchange_is_one_line_that_the_fault_policy_acts_on(monkeypatch
         errors.user_error("5 heads")
     # A job's fault policy (xfuser/fault_policy.py) takes the line instead: it ends the rank there.
     seen = []
-    monkeypatch.setattr(faults, "_handler", seen.append)
+    monkeypatch.setattr(faults._policy, "handler", seen.append)
     monkeypatch.setattr(errors, "_handler", seen.append)
     faults.failed_exchange(0, "o", "tapa", 1.0, RuntimeError("timed out"))
     errors.user_error("cocodiff: bad")
@@ -156,7 +156,7 @@ def test_a_compilers_error_is_not_taken_for_a_failed_collective(monkeypatch):
     from cocodiff_xfuser.xfuser import fault_policy
 
     lines, shown = [], []
-    monkeypatch.setattr(faults, "_handler", lines.append)
+    monkeypatch.setattr(faults._policy, "handler", lines.append)
     hook = fault_policy._ending_on_collective_failures(lambda kind, error, tb: shown.append(kind), 5.0)
     traced = torch._dynamo.exc.InternalTorchDynamoError("all_gather_object in distributed_c10d: unregistered member of ProcessGroup")
     hook(type(traced), traced, None)

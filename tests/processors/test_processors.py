@@ -86,11 +86,12 @@ def _job(ring: bool = False):
     """A stand-in for a job's exchanger whose Ulysses group (else its ring) crosses nodes."""
     from types import SimpleNamespace
 
-    slow = None if ring else SimpleNamespace(remote=(2, 3))
     from cocodiff_xfuser import padding
 
-    return SimpleNamespace(layout=SimpleNamespace(clock_spans_world=ring), group=None, slow_level=slow,
-                           ring_remote=(1,) if ring else (), ring_group=None, padding=padding.Padding())
+    slow = None if ring else SimpleNamespace(remote=(2, 3))
+    layout = SimpleNamespace(clock_spans_world=ring, ring_far=(False, True) if ring else ())
+    return SimpleNamespace(layout=layout, group=None, slow_level=slow, ring_remote=(1,) if ring else (), ring_group=None,
+                           padding=padding.Padding())
 
 
 def test_a_new_job_keeps_nothing_of_the_last_ones_v_major():
@@ -113,7 +114,7 @@ def test_a_new_job_keeps_nothing_of_the_last_ones_v_major():
     families.install(model, third, VMajorSettings.load(warmup_steps=2))  # a new job with its own settings, on the ring
     assert processor.clock is not clock and processor.clock.settings.warmup_steps == 2 and processor.v_major is None
     assert len(model._forward_pre_hooks) == 1  # the clock's: the processors hand the ring its calls
-    assert processor.ring is model._cocodiff_v_major.ring and processor.ring.clock is processor.clock
+    assert processor.ring.clock is processor.clock and processor.ring.remote == (1,)  # the processor's ring layer
     assert processor.clock.padding is third.padding  # the job's padding, which its stock steps read
 
 
