@@ -7,7 +7,8 @@ exchange (xfuser's routed all-to-all, V-First's input and output exchanges, V-Ma
 fp8 on every link or only the slow ones) starts through :meth:`Exchanger.start`,
 :meth:`~Exchanger.start_heads` or :meth:`~Exchanger.start_sparse` and returns an :class:`Exchange`
 (``advance``, ``wait``); under ring attention, the ring's K/V too (:meth:`~Exchanger.start_ring`,
-through torch's rotater protocol: :meth:`~Exchanger.ring_rotater`). The input exchange's
+through torch's rotater protocol, or under V-Major on the ring explicitly per call). Every exact
+exchange's route is the job's one router's (:mod:`cocodiff_xfuser.router`). The input exchange's
 head blocks are written once, in the order the chosen exchange sends them
 (:mod:`cocodiff_xfuser.ulysses_layout`). This module knows nothing about how it is wired in.
 """
@@ -16,21 +17,20 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from cocodiff_xfuser import commstats, compat, padding
-from cocodiff_xfuser.comm import compress, faults, functional, ring, sparse, timing, transport
+from cocodiff_xfuser.comm import compress, faults, ring, sparse, transport
 from cocodiff_xfuser.comm import topology as topo
 from cocodiff_xfuser.comm.agreement import agree
-from cocodiff_xfuser.comm.autotune import AutoAllToAll, DecisionsFile, Registry, pick, sampling
-from cocodiff_xfuser.comm.flat import AllToAllHandle, wait_collective
+from cocodiff_xfuser.comm.autotune import AutoAllToAll, DecisionsFile, Registry
+from cocodiff_xfuser.comm.flat import AllToAllHandle
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll
 from cocodiff_xfuser.layout import Layout
+from cocodiff_xfuser.router import Route, Router
 from cocodiff_xfuser.settings import Options, TopK
 from cocodiff_xfuser.ulysses_layout import heads
 
@@ -70,21 +70,6 @@ class Exchange:
         return self._out
 
 
-@dataclass(frozen=True)
-class _Route:
-    """What an exact exchange of one (label, shape, dtype) decides: its algorithm, how to start it (the
-    hierarchical exchange's pipeline parts bound), its slow-link bytes, sent and exact, and where it runs
-    (for the fault line). Kept once the autotune's choice for the shape is final, so that a denoising
-    loop's exchanges decide nothing per call."""
-
-    algorithm: str
-    parts: int
-    start: Callable[..., AllToAllHandle]
-    slow_bytes: int
-    exact_bytes: int
-    where: str
-
-
 class Exchanger:
     """Runs the Ulysses exchanges of one process: flat or hierarchical, chosen per message size.
 
@@ -111,12 +96,6 @@ class Exchanger:
         groups = [list(g) for g in self.layout.ulysses_groups]
         tapa = HierarchicalAllToAll(self.topology, groups)
         self.levels = tapa.levels(group)
-        # The groups a traced exchange names: the Ulysses group's, and its levels' (TAPA's) where it has them.
-        plan = tapa.plan(group)
-        self._level_groups = () if plan is None else tuple(g.group_name for g in plan.level_groups)
-        self._graph_routes: dict[tuple, tuple] = {}  # (payload shape, dtype, device, exact bytes) -> route
-        #: :meth:`graph_route` as traced code calls it: run when a graph is traced, its result a constant.
-        self.traced_route = compat.trace_time_method(self.graph_route)
         #: Whether eager exchanges take this exchanger's handles rather than the functional collectives a
         #: graph holds (:mod:`cocodiff_xfuser.ulysses_collectives`): a point-to-point exchange asked for by
         #: name, and fp8 on the slow links only, whose split sizes gloo's all-to-all posts pair after pair.
@@ -132,39 +111,32 @@ class Exchanger:
         #: residuals over the ring peers on other nodes under a policy whose counts the data or the step
         #: decides. Else a compiled graph holds the ring: top-k's static exchange
         #: (:mod:`cocodiff_xfuser.vmajor.ring_graph`), or torch's own ring (a functional all-gather, as
-        #: stock's graph does), counted when traced (:meth:`count_traced_ring`); eagerly the same code
-        #: runs, the gathers through the transport (:meth:`ring_rotater`).
+        #: stock's graph does), counted when traced; eagerly the same code runs, the gathers through
+        #: the transport (:meth:`start_ring`).
         self.ring_on_host = bool(v_major) and bool(self.ring_remote) and not isinstance(v_major.rule, TopK)
         if not self.layout.slow_share and self.rank == 0:
             # The layout put the slow links outside Ulysses (ring or CFG across nodes): one line for the job.
             idle = "V-Major and fp8-slow have" if self.levels else "TAPA, V-Major and fp8-slow have"
-            across = ("the ring's K/V cross nodes as V-Major's step residuals, CFG as stock" if self.ring_on_host
+            across = ("the ring's K/V cross nodes as V-Major's step residuals, CFG as stock" if v_major and self.ring_remote
                       else "the groups across nodes (ring, CFG) exchange as stock")
             logger.warning("cocodiff: the Ulysses %s stays inside one node (topology %s): %s nothing to do there; %s",
                            self._group_desc, self.topology, idle, across)
-        self.slow_level = self._slow_level(groups, "V-Major" if v_major else "fp8-slow") if v_major or slow_only else None
+        self.slow_level = (_slow_level(self.layout, groups, group, "V-Major" if v_major else "fp8-slow", bool(self.ring_remote))
+                           if v_major or slow_only else None)
         self.autotune = AutoAllToAll(Registry(tapa), a2a=options.a2a)
-        self._routes: dict[tuple, _Route] = {}
+        plan = tapa.plan(group)
+        # The groups a traced exchange names: the Ulysses group's, and its levels' (TAPA's) where it has them.
+        level_groups = () if plan is None else tuple(g.group_name for g in plan.level_groups)
+        #: The routes of every exact exchange, through the handles or traced (:mod:`cocodiff_xfuser.router`).
+        self.router = Router(group, self.autotune, self.layout.slow_share, self.levels, level_groups, self._group_desc,
+                             self.finish, self._complete_pending)
+        #: The router's traced route as traced code calls it: run when a graph is traced, its result a constant.
+        self.traced_route = compat.trace_time_method(self.router.traced)
         self._pending: list[Exchange] = []
         self.closed = False
         # What decisions are only valid for (kept: at exit the process groups may be gone).
         provenance = {"topology": str(self.topology), "backend": dist.get_backend(group), "world_size": dist.get_world_size()}
         self.decisions = DecisionsFile(self.autotune, provenance)
-
-    def _slow_level(self, groups: list[list[int]], user: str) -> sparse.SlowLevel | None:
-        """Where the sparse exchanges of ``user`` (V-Major, or fp8-slow) cross nodes (collective:
-        builds their sub-groups)."""
-        level = sparse.build_slow_levels(groups, self.layout.nodes_and_lanes)[transport.group_ranks(self.group)]
-        if not level.exists:  # said in one line for the job at activation
-            if not (user == "V-Major" and self.ring_remote):  # else the ring's K/V carry it across nodes
-                commstats.count_fallback(f"{user.lower()}: no slow level")
-            return None
-        return level
-
-    def _choose(self, x: torch.Tensor) -> str:
-        if self.autotune.measures(x, self.group):
-            self._complete_pending()
-        return self.autotune.choose(x, self.group)
 
     def _complete_pending(self) -> None:
         """Complete the exchanges still in flight (V's, under V-First), at the same program point on
@@ -172,40 +144,6 @@ class Exchanger:
         for pending in self._pending:
             if not pending.done:
                 pending.wait()
-
-    def _route(self, key: tuple, payload: Callable[[], torch.Tensor], exact_bytes: Callable[[], int]) -> _Route:
-        """The route of the exchange ``key`` names (its label first, then what fixes its size: shapes,
-        dtype, device), kept once final. Only where it is not kept yet: ``payload()`` makes the flat
-        payload to choose with, ``exact_bytes()`` gives the exchange's size uncompressed, on the wire."""
-        route = self._routes.get(key)
-        if route is None:
-            route = self.finish(lambda: self._new_route(key, payload(), exact_bytes()), key[0], "autotune")
-        return route
-
-    def _new_route(self, key: tuple, x: torch.Tensor, exact_bytes: int) -> _Route:
-        algorithm = self._choose(x)
-        parts = self.autotune.parts(x, self.group) if algorithm == "hierarchical" else 1
-        share = self.layout.slow_share
-        route = _Route(algorithm, parts, self.autotune.starter(algorithm, x, self.group), int(transport.wire_bytes(x) * share),
-                       int(exact_bytes * share), f"{algorithm} over {self._group_desc}")
-        if self.autotune.settled(x, self.group):
-            self._routes[key] = route
-        return route
-
-    def _counted(self, route: _Route, label: str) -> _Route:
-        commstats.count_exchange(route.algorithm, label, slow_link_bytes=route.slow_bytes, slow_link_bytes_exact=route.exact_bytes)
-        return route
-
-    def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
-        """``x`` (W equal chunks along dim 0, rows of its last dim) packed for ``--cocodiff-compress
-        fp8`` (every link), and how to unpack the result; None otherwise (or where ``x`` is already
-        narrow: xfuser's own fp8 communication)."""
-        if self.options.compress != "fp8" or x.dtype not in compress.WIDE:
-            return None
-        d = x.shape[-1]
-        rows = x.numel() // (self.world_size * d)
-        packed = compress.pack(x.reshape(self.world_size, rows, d))
-        return packed.view(-1), lambda out: compress.unpack(out.view(self.world_size, -1), rows, d, x.dtype)
 
     def finish(self, step: Callable[[], T], label: str, algorithm: str, where: str | None = None) -> T:
         """``step()`` (choosing, starting, advancing or waiting for an exchange); a failed or
@@ -224,22 +162,21 @@ class Exchanger:
         self._pending.append(handle)
         return handle
 
-    def _flat_route(self, x: torch.Tensor, label: str) -> tuple[_Route, torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
+    def _flat_route(self, x: torch.Tensor, label: str) -> tuple[Route, torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]:
         """The route of the exchange of ``x``, counted, its flat payload (``x`` packed or not) and how
         to unpack the result (None: nothing to unpack)."""
-        packed = self._packed(x)
+        packed = _packed(self.options, self.world_size, x)
         flat, unpack = packed if packed is not None else (x.flatten(), None)
-        route = self._route((label, x.shape, x.dtype, x.device), lambda: flat, lambda: transport.wire_bytes(x))
-        return self._counted(route, label), flat, unpack
+        route = self.router.route((label, x.shape, x.dtype, x.device), lambda: flat, lambda: transport.wire_bytes(x))
+        return _counted(route, label), flat, unpack
 
-    def _slow_fp8(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is exchanged as fp8 over the slow level only (``--cocodiff-compress fp8-slow``)."""
-        return self.options.compress == "fp8-slow" and self.slow_level is not None and x.dtype in compress.WIDE
-
-    def _start_slow_fp8(self, x: torch.Tensor, label: str) -> Exchange:
-        """Start the exchange of ``x`` (W equal destination-major chunks of rows of its last dim):
-        node-mates get the values, ranks on other nodes every row in fp8 with its scale, through
-        the sparse exchange's routings. The result has the shape ``[W, 1, rows, d]``."""
+    def _slow_fp8(self, x: torch.Tensor, label: str) -> Exchange | None:
+        """Under ``--cocodiff-compress fp8-slow`` (None otherwise), start the exchange of ``x`` (W
+        equal destination-major chunks of rows of its last dim): node-mates get the values, ranks on
+        other nodes every row in fp8 with its scale, through the sparse exchange's routings. The
+        result has the shape ``[W, 1, rows, d]``."""
+        if self.options.compress != "fp8-slow" or self.slow_level is None or x.dtype not in compress.WIDE:
+            return None
         world, d = self.world_size, x.shape[-1]
         chunks = x.reshape(world, 1, -1, d)
         rows = {j: compress.pack_rows(chunks[j]) for j in range(world) if not self.slow_level.fast(j)}
@@ -253,8 +190,9 @@ class Exchanger:
     def start(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data;
         the wire's values: the V-First processors, its callers, round them where V-Major reads them)."""
-        if self._slow_fp8(x):
-            return self._start_slow_fp8(x, label)
+        slow = self._slow_fp8(x, label)
+        if slow is not None:
+            return slow
         route, flat, unpack = self._flat_route(x, label)
         started = self.finish(lambda: route.start(flat), label, route.algorithm, route.where)
         return self._pending_handle(Exchange(self, started, x.shape, label, route.algorithm, route.where, unpack))
@@ -263,8 +201,8 @@ class Exchanger:
         """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
         chosen exchange sends (:func:`heads`; the wire's values, as the V-First processors hand them in)."""
-        if self._slow_fp8(tensors[0]):
-            return self._start_slow_fp8(_written(tensors, (self.world_size,), (0,)), label)
+        if self.options.compress == "fp8-slow" and self.slow_level is not None and tensors[0].dtype in compress.WIDE:
+            return self._slow_fp8(_written(tensors, (self.world_size,), (0,)), label)
         first = tensors[0]
         b, h, s, d = first.shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
@@ -278,15 +216,15 @@ class Exchanger:
             probe = first.new_empty(1, dtype=dtype).expand(numel)
             return first.new_empty(numel, dtype=dtype) if self.autotune.measures(probe, self.group) else probe
 
-        route = self._route((label, len(tensors), first.shape, first.dtype, first.device), probe,
-                            lambda: math.prod(shape) * transport.wire_itemsize(first.dtype))
-        algorithm = self._counted(route, label).algorithm
+        route = self.router.route((label, len(tensors), first.shape, first.dtype, first.device), probe,
+                                  lambda: math.prod(shape) * transport.wire_itemsize(first.dtype))
+        algorithm = _counted(route, label).algorithm
         if algorithm == "hierarchical" and route.parts == 1:
             sends = self.autotune.registry.tapa.input_layout(self.group)
             data, extra = _written(tensors, self.levels, sends), {"layout": sends}
         else:
             data, extra = _written(tensors, (self.world_size,), (0,)), {}
-        packed = self._packed(data)  # chunks in send order, whichever layout
+        packed = _packed(self.options, self.world_size, data)  # chunks in send order, whichever layout
         data, unpack = packed if packed is not None else (data.view(-1), None)
         started = self.finish(lambda: route.start(data, **extra), label, algorithm, route.where)
         return self._pending_handle(Exchange(self, started, shape, label, algorithm, route.where, unpack))
@@ -304,7 +242,8 @@ class Exchanger:
         the PXN-like relay (both cross nodes on the destination's lane), the backend's all-to-all with
         split sizes where it chose ``flat``, else one point-to-point batch."""
         # The exact exchange's route for this size, kept like its own (not counted: this one runs).
-        exact_algorithm = self._route((label, "sparse", x.shape, x.dtype, x.device), x.flatten, lambda: transport.wire_bytes(x)).algorithm
+        exact_algorithm = self.router.route((label, "sparse", x.shape, x.dtype, x.device), x.flatten,
+                                            lambda: transport.wire_bytes(x)).algorithm
         two_phase = self.slow_level.regular and exact_algorithm in ("hierarchical", "flat-pxn")
         collective = exact_algorithm == "flat"  # one-phase: the backend's all-to-all, like the exact exchange
         algorithm = f"{kind} {'two-phase' if two_phase else 'one-phase'}"
@@ -319,70 +258,17 @@ class Exchanger:
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
         x = transport.wire_values(x)
-        if self._slow_fp8(x):
-            return self._start_slow_fp8(x, label).wait().reshape(x.shape)
+        slow = self._slow_fp8(x, label)
+        if slow is not None:
+            return slow.wait().reshape(x.shape)
         route, flat, unpack = self._flat_route(x, label)
         out = self.finish(lambda: route.start(flat).wait(), label, route.algorithm, route.where)
         return (out if unpack is None else unpack(out)).reshape(x.shape)
-
-    def graph_route(self, label: str, shape: tuple[int, ...], dtype: str, device: str, exact_bytes: int) -> tuple:
-        """The route of a traced exchange (:mod:`cocodiff_xfuser.ulysses_collectives`) of a payload of
-        ``shape``, ``dtype`` and ``device`` (named as ``str`` names them) that stands for
-        ``exact_bytes`` uncompressed: ``(algorithm, levels, group names, slow-link bytes, their
-        exact count)``, one group for the flat exchange, one per level for TAPA's.
-        Decided when the graph is traced, once per size (collective where ``--cocodiff-a2a auto``
-        measures): flat unless TAPA is asked for or measures faster, each measured as the graph runs it.
-        Eagerly, the same route for the same code, looked up per call."""
-        key = (shape, dtype, device, exact_bytes)
-        route = self._graph_routes.get(key)
-        if route is None:
-            torch_dtype = getattr(torch, dtype.removeprefix("torch."))
-            levels, groups = self.finish(lambda: self._new_graph_route(shape, torch_dtype, device), label, "autotune")
-            share = self.layout.slow_share
-            route = self._graph_routes[key] = ("hierarchical" if levels else "flat", levels, groups,
-                                               int(math.prod(shape) * torch_dtype.itemsize * share), int(exact_bytes * share))
-        return route
-
-    def _new_graph_route(self, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        flat, tapa = ((), (self.group.group_name,)), (self.levels, self._level_groups)
-        a2a = self.options.a2a
-        reason = None
-        if a2a in ("flat-p2p", "flat-pxn"):
-            reason = "point-to-point messages cannot be traced by torch.compile"
-        elif a2a == "hierarchical" and not self.levels:
-            reason = "the group spans fewer than two topology levels"
-        if reason is not None:
-            commstats.count_fallback(f"--cocodiff-a2a {a2a}: {reason}")
-            logger.warning("cocodiff: --cocodiff-a2a %s: %s; using flat", a2a, reason)
-        if a2a == "hierarchical" and self.levels:
-            return tapa
-        if a2a != "auto" or not self.levels:
-            return flat
-        x = torch.zeros(shape, dtype=dtype, device=device).view(self.world_size, -1)  # a real buffer to measure with
-        pairs, burst = sampling(x.numel() * x.element_size(), self.autotune.reps)
-        ops = {"flat": lambda: wait_collective(functional.all_to_all(x, flat[1][0])),
-               "hierarchical": lambda: wait_collective(functional.levels_all_to_all(x, *tapa))}
-        times = timing.paired(ops, self.group, x.device, pairs, burst)
-        ratios = {k: [statistics.median(r), timing.median_upper_bound(r)] for k, r in timing.paired_ratios(times, "flat").items()}
-        chosen = pick(ratios, self.autotune.margin)
-        logger.info("cocodiff: traced all-to-all over %s of %s %s: %s (hierarchical at %.2fx flat's time)",
-                    self._group_desc, list(shape), dtype, chosen, ratios["hierarchical"][0])
-        return tapa if chosen == "hierarchical" else flat
 
     @property
     def ring_remote(self) -> tuple[int, ...]:
         """The ring ranks on other nodes than this rank's: each receives its K/V over the slow links."""
         return self.layout.ring_remote
-
-    def count_traced_ring(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Count, in traced code, torch's all-gather of ``key`` and ``value`` over the ring (its
-        buffer holds both, flattened), as :meth:`start_ring` counts its own."""
-        exact = (key.numel() + value.numel()) * transport.wire_itemsize(key.dtype) * len(self.ring_remote)
-        commstats.traced("count_exchange", "ring all-gather", "ring", exact, exact)
-
-    def ring_rotater(self, group: dist.ProcessGroup) -> ring.Rotater:
-        """torch's ring-attention rotater for ``group`` (the ring group), its exact gather started here."""
-        return ring.Rotater(group, lambda buffer: self.start_ring(buffer, group))
 
     def start_ring(self, buffer: torch.Tensor, group: dist.ProcessGroup, row: int | None = None,
                    v_major: vmajor_ring.RingLayer | None = None) -> Exchange:
@@ -404,22 +290,47 @@ class Exchanger:
         """The job ended or fell back to stock: nothing starts here any more."""
         self.closed = True
 
-    def _v_major_on(self) -> str:
-        """Which exchanges V-Major's settings apply to: those that cross nodes."""
-        on = [name for name, crosses in (("Ulysses", self.slow_level), ("the ring", self.ring_remote)) if crosses]
-        if not self.options.v_major or not on:
-            return "off"
-        return f"on {' and '.join(on)}: {self.options.v_major.describe()}"
-
     def describe(self) -> str:
         plan = "x".join(map(str, self.levels)) if self.levels else "flat only"
+        # V-Major's settings apply to the exchanges that cross nodes.
+        on = [name for name, crosses in (("Ulysses", self.slow_level), ("the ring", self.ring_remote)) if crosses]
+        v_major = f"on {' and '.join(on)}: {self.options.v_major.describe()}" if self.options.v_major and on else "off"
         return (
             f"ulysses group of {self.world_size} on topology {self.topology} ({self.topology.describe()}): "
             f"levels {plan}, all-to-all {self.options.a2a}, V-First {'on' if self.options.v_first else 'off'}, "
-            f"V-Major {self._v_major_on()}, "
+            f"V-Major {v_major}, "
             f"compression {self.options.compress}, "
             f"timeout {self.options.timeout_s:g} s"
         )
+
+
+def _packed(options: Options, world: int, x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """``x`` (``world`` equal chunks along dim 0, rows of its last dim) packed for ``--cocodiff-compress
+    fp8`` (every link), and how to unpack the result; None otherwise (or where ``x`` is already
+    narrow: xfuser's own fp8 communication)."""
+    if options.compress != "fp8" or x.dtype not in compress.WIDE:
+        return None
+    d = x.shape[-1]
+    rows = x.numel() // (world * d)
+    packed = compress.pack(x.reshape(world, rows, d))
+    return packed.view(-1), lambda out: compress.unpack(out.view(world, -1), rows, d, x.dtype)
+
+
+def _counted(route: Route, label: str) -> Route:
+    commstats.count_exchange(route.algorithm, label, slow_link_bytes=route.slow_bytes, slow_link_bytes_exact=route.exact_bytes)
+    return route
+
+
+def _slow_level(layout: Layout, groups: list[list[int]], group: dist.ProcessGroup, user: str, ring_crosses: bool
+                ) -> sparse.SlowLevel | None:
+    """Where the sparse exchanges of ``user`` (V-Major, or fp8-slow) cross nodes (collective:
+    builds their sub-groups)."""
+    level = sparse.build_slow_levels(groups, layout.nodes_and_lanes)[transport.group_ranks(group)]
+    if not level.exists:  # said in one line for the job at activation
+        if not (user == "V-Major" and ring_crosses):  # else the ring's K/V carry it across nodes
+            commstats.count_fallback(f"{user.lower()}: no slow level")
+        return None
+    return level
 
 
 def _written(tensors: tuple[torch.Tensor, ...], levels: tuple[int, ...], layout: tuple[int, ...]) -> torch.Tensor:

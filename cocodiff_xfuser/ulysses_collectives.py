@@ -9,7 +9,7 @@ no operator of cocodiff's, no host read, and no Python when the graph runs. V-Fi
 is program order: V's all-to-all is written before Q and K are projected (:func:`start`) and waited
 for where attention reads it (:func:`exchange_inputs`); xDiT's overlap passes (``raise_comms``,
 ``sink_waits``) keep it so. What an exchange needs to know is fixed when the graph is traced: its
-route (flat or TAPA's levels, :meth:`~cocodiff_xfuser.exchanger.Exchanger.graph_route`, measured
+route (flat or TAPA's levels, :meth:`~cocodiff_xfuser.router.Router.traced`, measured
 once per size with real buffers), and what ran, counted then and added per transformer call
 (:func:`cocodiff_xfuser.commstats.traced`).
 

@@ -5,12 +5,15 @@ times it. Every algorithm moves the same bytes to the same places (bitwise the o
 The functions behind an entry refuse an input they cannot exchange instead of substituting another
 algorithm, so what a counter or a decision says ran is what ran.
 
-Candidates are the algorithms of the registry that can exchange the message over the group:
-``flat`` (stock: ``all_to_all_single`` through functional collectives, what xfuser does),
+Candidates are the algorithms of the registry that can exchange the message over the group, and
+say whether a compiled graph can hold them (:attr:`Algorithm.traced`): a traced exchange (and the
+same code run eagerly) chooses among those only, timed as the graph runs them:
+``flat`` (stock: ``all_to_all_single`` through functional collectives, what xfuser does; traces),
 ``flat-p2p`` (the same messages as one batch of point-to-point operations, :mod:`.transport`),
 ``flat-pxn`` (the flat exchange routed as NCCL's PXN routes it on rails, :mod:`.pxn`; groups
-whose plan is node x local) and ``hierarchical`` (TAPA; groups with a plan of two or more levels),
-the latter also pipelined in 2 or 4 parts for messages of at least ``PIPELINE_MIN_BYTES``.
+whose plan is node x local) and ``hierarchical`` (TAPA; groups with a plan of two or more levels;
+traced, one functional ``all_to_all_single`` per level), the latter also pipelined in 2 or 4 parts
+for messages of at least ``PIPELINE_MIN_BYTES`` (not traced).
 Which wins depends on the links, the backend and the message size (Tutel: hierarchical loses for
 large messages at small scale; on a shared node uplink it always loses), so the ``auto`` setting
 times the candidates on the real group the first time a size bucket (next power of two of the
@@ -29,7 +32,9 @@ to the reference is below ``1 - margin`` and a one-sided 95% upper confidence bo
 candidates the fastest wins, a simpler one on a tie within ``margin``. After ``RECHECK_USES``
 uses of a decision that left the reference, the choice is timed against it once more, during
 the run; if it is slower by the median, the bucket reverts to the reference for good (logged, and
-counted in :func:`cocodiff_xfuser.commstats.ran` as ``reverted``).
+counted in :func:`cocodiff_xfuser.commstats.ran` as ``reverted``). A traced exchange's reference is
+``flat`` (the only flat exchange a graph holds), and its decision is final once made: the graph
+that reads it is traced once.
 
 Collective safety: a measurement is a sequence of collectives over the group, so every rank of
 the group must reach ``choose`` for the same bucket at the same point, which SPMD model code
@@ -57,7 +62,9 @@ import torch.distributed as dist
 from .. import commstats
 from . import timing, transport
 from .agreement import from_first
-from .flat import AllToAllHandle, flat_all_to_all, p2p_all_to_all, p2p_reason, start_flat_all_to_all, start_p2p_all_to_all
+from . import functional
+from .flat import (AllToAllHandle, flat_all_to_all, p2p_all_to_all, p2p_reason, start_flat_all_to_all, start_p2p_all_to_all,
+                   wait_collective)
 from .pxn import PxnAllToAll
 from .tapa import HierarchicalAllToAll
 
@@ -78,6 +85,9 @@ class Algorithm:
     start: Callable[..., AllToAllHandle]  # (x, group), asynchronous, advanced with ``advance``
     run: Callable[..., torch.Tensor]  # (x, group), blocking; what the autotune measures
     # ``hierarchical`` also takes ``parts=`` (pipelining, see :mod:`.tapa`).
+    #: (x, group), blocking: the exchange as a compiled graph holds it (functional collectives),
+    #: what the autotune measures for a traced exchange; None: no graph can hold it.
+    traced: Callable[..., torch.Tensor] | None = None
 
 
 class Registry:
@@ -86,13 +96,13 @@ class Registry:
     def __init__(self, tapa: HierarchicalAllToAll | None = None) -> None:
         self.tapa = tapa
         entries = [
-            Algorithm("flat", lambda x, group: None, start_flat_all_to_all, flat_all_to_all),
+            Algorithm("flat", lambda x, group: None, start_flat_all_to_all, flat_all_to_all, _traced_flat),
             Algorithm("flat-p2p", p2p_reason, start_p2p_all_to_all, p2p_all_to_all),
         ]
         if tapa is not None:
             pxn = PxnAllToAll(tapa)
             entries.append(Algorithm("flat-pxn", pxn.reason, pxn.start, pxn))
-            entries.append(Algorithm("hierarchical", tapa.reason, tapa.start, tapa))
+            entries.append(Algorithm("hierarchical", tapa.reason, tapa.start, tapa, functools.partial(_traced_levels, tapa)))
         self._entries = {a.name: a for a in entries}
 
     def __getitem__(self, name: str) -> Algorithm:
@@ -102,15 +112,32 @@ class Registry:
             raise ValueError(f"all-to-all algorithm {name!r} needs a topology (no plan of levels)")
         return self._entries[name]
 
-    def reason(self, name: str, x: torch.Tensor, group: Any) -> str | None:
-        """Why ``name`` cannot exchange ``x`` over ``group`` (None: it can)."""
+    def reason(self, name: str, x: torch.Tensor, group: Any, traced: bool = False) -> str | None:
+        """Why ``name`` cannot exchange ``x`` over ``group`` (None: it can), in a compiled graph where ``traced``."""
         if name not in self._entries:
             return "no topology levels to exchange over" if name in ALGORITHMS else f"unknown algorithm {name!r}"
+        if traced and self._entries[name].traced is None:
+            return "point-to-point messages cannot be traced by torch.compile"
+        if traced and name == "hierarchical":
+            return self.tapa.traced_reason(x, group)
         return self._entries[name].reason(x, group)
 
-    def eligible(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
-        """The algorithms that can exchange ``x`` over ``group``, simplest first (the same on every rank)."""
-        return tuple(name for name in ALGORITHMS if self.reason(name, x, group) is None)
+    def eligible(self, x: torch.Tensor, group: Any, traced: bool = False) -> tuple[str, ...]:
+        """The algorithms that can exchange ``x`` over ``group`` (in a graph, where ``traced``),
+        simplest first (the same on every rank)."""
+        return tuple(name for name in ALGORITHMS if self.reason(name, x, group, traced) is None)
+
+
+def _traced_flat(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The flat exchange as a graph holds it: one functional ``all_to_all_single``, waited for."""
+    return wait_collective(functional.all_to_all(x.view(transport.group_info(group)[1], -1), group.group_name))
+
+
+def _traced_levels(tapa: HierarchicalAllToAll, x: torch.Tensor, group: Any) -> torch.Tensor:
+    """TAPA as a graph holds it: one functional ``all_to_all_single`` per level, waited for."""
+    plan = tapa.plan(group)
+    names = tuple(g.group_name for g in plan.level_groups)
+    return wait_collective(functional.levels_all_to_all(x.view(len(plan.ranks), -1), plan.levels, names))
 
 
 #: Parts a pipelined hierarchical exchange is measured with (1 is the plain one).
@@ -140,6 +167,7 @@ class Decision:
     flat_p2p_s: float | None = None
     flat_pxn_s: float | None = None
     parts: int = 1  # pipeline parts of the hierarchical exchange
+    traced: bool = False  # among the exchanges a compiled graph holds (:attr:`Algorithm.traced`)
     ratio: float | None = None  # chosen / reference: median of the paired ratios (1 for the reference)
     ratio_upper: float | None = None  # its one-sided 95% upper confidence bound
     pairs: int | None = None
@@ -194,20 +222,21 @@ class AutoAllToAll:
         self.a2a = a2a
         self.reps = reps
         self.margin = margin
-        self.decisions: dict[tuple[tuple[int, ...], int], Decision] = {}
-        self._uses: dict[tuple[tuple[int, ...], int], int] = {}
+        self.decisions: dict[tuple[tuple[int, ...], int, bool], Decision] = {}
+        self._uses: dict[tuple[tuple[int, ...], int, bool], int] = {}
         self._candidates: dict[tuple, tuple[str, ...]] = {}
         self._warned: set[str] = set()
 
-    def choose(self, x: torch.Tensor, group: Any = None) -> str:
-        """The algorithm (one of ``ALGORITHMS``) for exchanging ``x`` over ``group``.
+    def choose(self, x: torch.Tensor, group: Any = None, traced: bool = False) -> str:
+        """The algorithm (one of ``ALGORITHMS``) for exchanging ``x`` over ``group``; ``traced``: as a
+        compiled graph holds it (what :attr:`Algorithm.traced` runs).
 
         Collective over ``group`` with the ``auto`` setting when the (group, size bucket) is new,
-        and once more at its ``RECHECK_USES``-th use when the decision left its reference.
+        and once more at its ``RECHECK_USES``-th use when the decision left its reference (not traced).
         """
         group = group if group is not None else dist.group.WORLD
         if self.a2a != "auto":
-            reason = self.registry.reason(self.a2a, x, group)
+            reason = self.registry.reason(self.a2a, x, group, traced)
             if reason is None:
                 return self.a2a
             key = f"--cocodiff-a2a {self.a2a}: {reason}"
@@ -216,21 +245,21 @@ class AutoAllToAll:
                 logger.warning("cocodiff: %s; using flat", key)
             commstats.count_fallback(key)
             return "flat"
-        candidates = self.candidates(x, group)
+        candidates = self.candidates(x, group, traced)
         if len(candidates) == 1:
             return candidates[0]
-        key = self._key(x, group)
+        key = self._key(x, group, traced)
         if key not in self.decisions:
-            self.decisions[key] = self._measure(x, group, *key, candidates)
+            self.decisions[key] = self._measure(x, group, key, candidates)
             d = self.decisions[key]
             logger.info(
-                "all-to-all over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, flat-pxn %s, hierarchical %s;"
-                " %s of %s's time)",
+                "all-to-all%s over group %s, %d-byte bucket: %s (flat %s, flat-p2p %s, flat-pxn %s, hierarchical %s;"
+                " %s of %s's time)", " (traced)" if traced else "",
                 list(d.group), d.bucket_bytes, candidate_key(d.algorithm, d.parts), _ms(d.flat_s), _ms(d.flat_p2p_s),
                 _ms(d.flat_pxn_s), _ms(d.hierarchical_s), _ratios_text(d.ratios), d.reference,
             )
         self._uses[key] = self._uses.get(key, 0) + 1
-        if self._uses[key] == RECHECK_USES and self.decisions[key].algorithm != self.decisions[key].reference:
+        if not traced and self._uses[key] == RECHECK_USES and self.decisions[key].algorithm != self.decisions[key].reference:
             self._recheck(x, group, key)
         return self.decisions[key].algorithm
 
@@ -238,7 +267,7 @@ class AutoAllToAll:
         """Pipeline parts for the hierarchical exchange of ``x`` (after :meth:`choose`); 1 where the
         bucket's decision does not split this size (a bucket spans sizes)."""
         group = group if group is not None else dist.group.WORLD
-        d = self.decisions.get(self._key(x, group))
+        d = self.decisions.get(self._key(x, group, False))
         if d is None or d.algorithm != "hierarchical" or d.parts == 1:
             return 1
         return d.parts if self.registry.tapa.reason(x, group, d.parts) is None else 1
@@ -263,28 +292,28 @@ class AutoAllToAll:
         parts = self.parts(x, group) if algorithm == "hierarchical" else 1
         return {"parts": parts} if parts > 1 else {}
 
-    def measures(self, x: torch.Tensor, group: Any = None) -> bool:
+    def measures(self, x: torch.Tensor, group: Any = None, traced: bool = False) -> bool:
         """Whether :meth:`choose` will measure (collectively) for ``x`` over ``group``."""
         group = group if group is not None else dist.group.WORLD
-        if self.a2a != "auto" or len(self.registry.eligible(x, group)) == 1:
+        if self.a2a != "auto" or len(self.candidates(x, group, traced)) == 1:
             return False
-        key = self._key(x, group)
+        key = self._key(x, group, traced)
         if key not in self.decisions:
             return True
         d = self.decisions[key]
-        return self._uses.get(key, 0) + 1 == RECHECK_USES and d.algorithm != d.reference
+        return not traced and self._uses.get(key, 0) + 1 == RECHECK_USES and d.algorithm != d.reference
 
-    def settled(self, x: torch.Tensor, group: Any = None) -> bool:
+    def settled(self, x: torch.Tensor, group: Any = None, traced: bool = False) -> bool:
         """Whether :meth:`choose`'s answer for ``x`` over ``group`` is final: it will neither measure,
         re-check nor count a fall-back again (a caller may then keep the answer for the shape)."""
         group = group if group is not None else dist.group.WORLD
         if self.a2a != "auto":
-            return self.registry.reason(self.a2a, x, group) is None
-        if len(self.candidates(x, group)) == 1:
+            return self.registry.reason(self.a2a, x, group, traced) is None
+        if len(self.candidates(x, group, traced)) == 1:
             return True
-        key = self._key(x, group)
+        key = self._key(x, group, traced)
         d = self.decisions.get(key)
-        return d is not None and (d.algorithm == d.reference or self._uses.get(key, 0) >= RECHECK_USES)
+        return d is not None and (traced or d.algorithm == d.reference or self._uses.get(key, 0) >= RECHECK_USES)
 
     def to_dict(self) -> dict[str, Any]:
         topology = self.registry.tapa.topology if self.registry.tapa is not None else None
@@ -305,45 +334,48 @@ class AutoAllToAll:
                 raise ValueError(f"invalid reference {d.reference!r} in decision {raw}")
             if not isinstance(d.parts, int) or d.parts < 1:
                 raise ValueError(f"invalid parts {d.parts!r} in decision {raw}")
-            self.decisions[(d.group, d.bucket_bytes)] = d
+            self.decisions[(d.group, d.bucket_bytes, d.traced)] = d
 
-    def _key(self, x: torch.Tensor, group: Any) -> tuple[tuple[int, ...], int]:
-        return transport.group_ranks(group), size_bucket(x.numel() * x.element_size())
+    def _key(self, x: torch.Tensor, group: Any, traced: bool) -> tuple[tuple[int, ...], int, bool]:
+        return transport.group_ranks(group), size_bucket(x.numel() * x.element_size()), traced
 
-    def candidates(self, x: torch.Tensor, group: Any) -> tuple[str, ...]:
-        """What ``auto`` measures for ``x`` over ``group``: the eligible algorithms, and from
-        ``PIPELINE_MIN_BYTES`` the hierarchical exchange in ``PIPELINE_PARTS`` (``hierarchical/2``)."""
+    def candidates(self, x: torch.Tensor, group: Any, traced: bool = False) -> tuple[str, ...]:
+        """What ``auto`` measures for ``x`` over ``group``: the eligible algorithms (those a graph
+        holds, where ``traced``), and from ``PIPELINE_MIN_BYTES`` the hierarchical exchange in
+        ``PIPELINE_PARTS`` (``hierarchical/2``; not traced)."""
         # Eligibility reads the group, the shape and the dtype only: decided once per such key, not per exchange.
-        key = (transport.group_ranks(group), tuple(x.shape), x.dtype, torch.compiler.is_compiling())
+        key = (transport.group_ranks(group), tuple(x.shape), x.dtype, torch.compiler.is_compiling(), traced)
         names = self._candidates.get(key)
         if names is None:
-            names = self.registry.eligible(x, group)
-            if "hierarchical" in names and x.numel() * x.element_size() >= PIPELINE_MIN_BYTES:
+            names = self.registry.eligible(x, group, traced)
+            if not traced and "hierarchical" in names and x.numel() * x.element_size() >= PIPELINE_MIN_BYTES:
                 tapa = self.registry.tapa
                 names += tuple(candidate_key("hierarchical", p) for p in PIPELINE_PARTS if tapa.reason(x, group, p) is None)
             self._candidates[key] = names
         return names
 
-    def reference(self, x: torch.Tensor, group: Any) -> str:
+    def reference(self, x: torch.Tensor, group: Any, traced: bool = False) -> str:
         """The exchange ``auto`` must not be slower than: the backend's fair flat exchange where it
-        can run, else ``flat`` (the same on every rank: the backend and the input are)."""
+        can run (in a graph, where ``traced``), else ``flat`` (the same on every rank: the backend
+        and the input are)."""
         fair = transport.fair_flat(group, x.device)
-        return fair if self.registry.reason(fair, x, group) is None else "flat"
+        return fair if self.registry.reason(fair, x, group, traced) is None else "flat"
 
-    def _time(self, x: torch.Tensor, group: Any, keys: Sequence[str], reps: int) -> dict[str, list[float]]:
+    def _time(self, x: torch.Tensor, group: Any, keys: Sequence[str], reps: int, traced: bool = False) -> dict[str, list[float]]:
         def op(key: str) -> Callable[[], Any]:
             name, parts = split_key(key)
+            if traced:
+                return lambda: self.registry[name].traced(x, group)
             options = {"parts": parts} if parts > 1 else {}
             return lambda: self.registry[name].run(x, group, **options)
 
         pairs, burst = sampling(x.numel() * x.element_size(), reps)
         return timing.paired({key: op(key) for key in keys}, group, x.device, pairs, burst)
 
-    def _measure(
-        self, x: torch.Tensor, group: Any, ranks: tuple[int, ...], bucket: int, candidates: tuple[str, ...]
-    ) -> Decision:
-        reference = self.reference(x, group)
-        times = self._time(x, group, candidates, self.reps)
+    def _measure(self, x: torch.Tensor, group: Any, key: tuple[tuple[int, ...], int, bool], candidates: tuple[str, ...]) -> Decision:
+        ranks, bucket, traced = key
+        reference = self.reference(x, group, traced)
+        times = self._time(x, group, candidates, self.reps, traced)
         ratios = {key: [statistics.median(r), timing.median_upper_bound(r)] for key, r in timing.paired_ratios(times, reference).items()}
         chosen = pick(ratios, self.margin, reference)
         median = {key: float(statistics.median(t)) for key, t in times.items()}
@@ -352,11 +384,11 @@ class AutoAllToAll:
         ratio, upper = ratios.get(chosen, [1.0, 1.0])
         return Decision(
             ranks, bucket, name, median["flat"], None if hier is None else median[hier], median.get("flat-p2p"),
-            median.get("flat-pxn"), parts=parts, ratio=ratio, ratio_upper=upper, pairs=len(times["flat"]), ratios=ratios,
-            reference=reference,
+            median.get("flat-pxn"), parts=parts, traced=traced, ratio=ratio, ratio_upper=upper, pairs=len(times["flat"]),
+            ratios=ratios, reference=reference,
         )
 
-    def _recheck(self, x: torch.Tensor, group: Any, key: tuple[tuple[int, ...], int]) -> None:
+    def _recheck(self, x: torch.Tensor, group: Any, key: tuple[tuple[int, ...], int, bool]) -> None:
         """Time the decision against its reference again, mid-run; revert to the reference if it is slower."""
         d = self.decisions[key]
         chosen = candidate_key(d.algorithm, d.parts)

@@ -365,6 +365,16 @@ class HierarchicalAllToAll:
             return f"the chunks do not split into {parts} equal parts"
         return None
 
+    def traced_reason(self, x: torch.Tensor, group: Any = None) -> str | None:
+        """Why a compiled graph cannot hold this exchange of ``x`` over ``group`` as one functional
+        all-to-all per level (None: it can)."""
+        plan = self.plan(group)
+        if plan is None:
+            return "the group spans fewer than two topology levels"
+        if x.dim() == 0 or x.numel() % len(plan.ranks):
+            return "the input does not split into equal chunks"
+        return None
+
     def start(
         self, x: torch.Tensor, group: Any = None, *, parts: int = 1, layout: Sequence[int] | None = None
     ) -> HierarchicalHandle | TwoLevelHandle | PipelinedHandle:

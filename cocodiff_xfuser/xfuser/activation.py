@@ -11,7 +11,7 @@ import types
 import torch
 
 from cocodiff_xfuser import commstats, compat, ulysses_collectives
-from cocodiff_xfuser.comm import subgroups
+from cocodiff_xfuser.comm import ring, subgroups, transport
 from cocodiff_xfuser.comm.agreement import Disagreement
 from cocodiff_xfuser.xfuser import calls, fault_policy, flags, job, padded
 from cocodiff_xfuser.xfuser.flags import SP_BACKENDS, env_backend
@@ -124,7 +124,7 @@ def _routed_rotater(original):
         if (exchanger is None or exchanger.ring_group is None or pg is not exchanger.ring_group or method is not None
                 or torch.compiler.is_dynamo_compiling()):  # traced: torch's own (:func:`_counted_ring`)
             return original(pg, seq_dim, method)
-        return exchanger.ring_rotater(pg)
+        return ring.Rotater(pg, lambda buffer: exchanger.start_ring(buffer, pg))  # the exact gather, through the exchanger
 
     return _create_rotater
 
@@ -146,10 +146,17 @@ def _counted_ring(original):
             if exchanger.ring_on_host:
                 return on_host(*args, **kwargs)
             if len(args) >= 6:  # torch's (group, seq_dim, op, query, key, value)
-                exchanger.count_traced_ring(args[4], args[5])
+                _count_traced_ring(exchanger, args[4], args[5])
         return original(*args, **kwargs)
 
     return _templated_ring_attention
+
+
+def _count_traced_ring(exchanger, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Count, in traced code, torch's all-gather of ``key`` and ``value`` over the ring (its buffer
+    holds both, flattened), as :meth:`~cocodiff_xfuser.exchanger.Exchanger.start_ring` counts its own."""
+    exact = (key.numel() + value.numel()) * transport.wire_itemsize(key.dtype) * len(exchanger.ring_remote)
+    commstats.traced("count_exchange", "ring all-gather", "ring", exact, exact)
 
 
 def ring_unrouted() -> str | None:

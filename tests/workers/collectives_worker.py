@@ -34,7 +34,7 @@ from cocodiff_xfuser.comm.flat import (
 from cocodiff_xfuser.comm.ring import Remote, RingGather
 from cocodiff_xfuser.comm.tapa import HierarchicalAllToAll, HierarchicalHandle, TwoLevelHandle
 from cocodiff_xfuser.comm.topology import Topology
-from cocodiff_xfuser.ulysses_layout import heads, sequence
+from cocodiff_xfuser.ulysses_layout import heads, output_blocks, output_heads, output_stacked, output_unstacked, sequence
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.settings import Options, VMajorSettings
 from cocodiff_xfuser.tools import same_bits
@@ -225,17 +225,25 @@ def case_pxn() -> None:
 
 def case_ulysses_layout() -> None:
     """Head blocks written once in the first phase's order: the exchange equals xfuser's layout
-    (stack, permute, contiguous) through flat, and the copies are counted."""
+    (stack, permute, contiguous) through flat, read back as xfuser reads it; the output's layouts
+    are xfuser's ``_ft_c_output_all_to_all``'s and V-Major's destination-major one, each a round trip."""
     b, h, s, d = 2, WORLD * 3, 5, 4
     q, k = rand_bits((b, h, s, d), torch.bfloat16, 970), rand_bits((b, h, s, d), torch.bfloat16, 971)
     stacked = torch.stack((q, k)).view(2, b, WORLD, 3, s, d).permute(2, 0, 1, 3, 4, 5).contiguous()
-    before = commstats.ran()["copied_bytes"]
     canonical = heads((q, k), (WORLD,), (0,))
-    check(commstats.ran()["copied_bytes"] - before == stacked.numel() * 2, "one pass counted")
     check(same_bits(canonical, stacked), "destination-major layout != xfuser's")
     ref = flat_all_to_all(stacked.view(-1)).view(stacked.shape)
     want = ref.permute(1, 2, 3, 0, 4, 5).reshape(2, b, 3, WORLD * s, d)
-    check(all(same_bits(g, w) for g, w in zip(sequence(ref, 2), want)), "sequence layout")
+    check(all(same_bits(g, w) for g, w in zip(sequence(ref), want)), "sequence layout")
+    out = rand_bits((b, 3, WORLD * s, d), torch.bfloat16, 972)  # head-sharded, as attention returns it
+    blocks = output_blocks(out)
+    check(same_bits(blocks, out.permute(2, 0, 1, 3).contiguous()), "output blocks != xfuser's")
+    back = flat_all_to_all(blocks.view(-1)).view(blocks.shape)
+    xfuser = back.reshape(WORLD, s, b, 3, d).permute(2, 0, 3, 1, 4).reshape(b, WORLD * 3, s, d)
+    check(same_bits(output_heads(back, WORLD, WORLD * 3), xfuser), "output read back != xfuser's")
+    check(same_bits(output_heads(back, WORLD, WORLD * 3 - 1), xfuser[:, :-1]), "padded output heads kept")
+    unstacked = output_unstacked(flat_all_to_all(output_stacked(out, WORLD).view(-1)).view(WORLD, 1, b, 3, s, d), WORLD * 3)
+    check(same_bits(unstacked, xfuser), "V-Major's output layout != xfuser's")
     nbytes = stacked.numel() * stacked.element_size()
     for spec, levels in _topologies().items():
         hier = HierarchicalAllToAll(Topology.parse(spec), [list(range(WORLD))])
@@ -576,7 +584,7 @@ def case_autotune(tmpdir: str) -> None:
              "flat_s": 0.2, "hierarchical_s": 0.1, "some_future_field": 1}]}
         legacy = AutoAllToAll(registry)
         legacy.load_dict(old)
-        legacy_d = legacy.decisions[(tuple(range(WORLD)), 1 << 30)]
+        legacy_d = legacy.decisions[(tuple(range(WORLD)), 1 << 30, False)]
         check(legacy_d.flat_p2p_s is None and legacy_d.reference == "flat", f"legacy decision {legacy_d}")
         try:
             AutoAllToAll(registry).load_dict({"decisions": [dict(old["decisions"][0], algorithm="fast")]})
@@ -955,13 +963,13 @@ def case_functional() -> None:
         check(same_bits(compiled, flat_all_to_all(x * 2)), f"{spec}: compiled TAPA's functional levels != flat")
         for a2a, expected in (("hierarchical", (levels, groups)), ("flat", ((), (dist.group.WORLD.group_name,))), ("auto", None)):
             exchanger = Exchanger(dist.group.WORLD, Options(topology=spec, a2a=a2a))
-            route = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4)
+            route = exchanger.router.traced("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4)
             check(expected is None or route[1:3] == expected, f"{spec} {a2a}: traced route {route}")
             check(route[0] == ("hierarchical" if route[1] else "flat"), f"{spec} {a2a}: route named {route[0]}")
             everyone = [None] * WORLD
             dist.all_gather_object(everyone, route[1])
             check(len(set(everyone)) == 1, f"{spec} {a2a}: the ranks chose {everyone}")
-            again = exchanger.graph_route("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4)
+            again = exchanger.router.traced("v", (WORLD * 4, 8), "torch.float32", "cpu", WORLD * 4 * 8 * 4)
             check(again == route, f"{spec} {a2a}: route changed")
 
 

@@ -301,7 +301,7 @@ def run_benchmark(
             times[name].append(t)
         chosen = json_key(candidate_key(tuner.choose(x, pg), tuner.parts(x, pg)))
         median = {name: statistics.median(t) for name, t in times.items()}
-        decision = tuner.decisions.get((tuple(group), size_bucket(numel * itemsize)))
+        decision = tuner.decisions.get((tuple(group), size_bucket(numel * itemsize), False))
         entry: dict[str, Any] = {"size_bytes": numel * itemsize}
         for name in names:
             entry[f"{name}_s"] = median[name]

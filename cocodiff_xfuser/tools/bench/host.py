@@ -4,7 +4,9 @@ eager and compiled, on loopback with shapes whose device work is negligible.
 
 On a GPU a FLUX layer computes in a fraction of a millisecond, so the Python an exchange runs is
 time the device waits for. Per mode (eager, ``--use_torch_compile``), three kinds of torchrun jobs
-(2 ranks as topology 2x1, so V-Major is active; one job at a time):
+(2 ranks as topology 2x1, so V-Major is active; one job at a time), on one of two layouts
+(``--layout``): Ulysses 2 (its exchanges cross the nodes), or ring 2 (Ulysses 1 x Ring 2: the ring's
+K/V cross them, and V-Major runs on them):
 
 * **steps**: stock and every configuration in one job (``generate --repeat``): each one's median
   step and its ratio to stock's; ``--rounds`` such jobs, the medians over them (this host's speed
@@ -78,6 +80,8 @@ from cocodiff_xfuser.tools import generate, launcher
 
 CONFIGS = ("cocodiff", "cocodiff+vfirst", "cocodiff+vfirst+vmajor")
 MODES = ("eager", "compiled")
+#: The layouts (``--layout``), as xdit's degrees: Ulysses 2, or Ulysses 1 x Ring 2.
+LAYOUTS = {"ulysses": ("--ulysses_degree", "2"), "ring": ("--ulysses_degree", "1", "--ring_degree", "2")}
 #: The issue's targets on this machine: cocodiff's own host time per exact exchange, per V-Major
 #: layer (eager), and the step ratio to stock per configuration (eager and compiled).
 TARGETS = {
@@ -107,17 +111,17 @@ TIMEOUT_S = 900.0
 _RESULT = "host.json"
 
 
-def _runner_argv(model: str, steps: int, compiled: bool) -> list[str]:
-    argv = ["--model", model, "--ulysses_degree", "2", "--cocodiff-topology", "2x1", "--height", "64", "--width", "64",
+def _runner_argv(model: str, steps: int, compiled: bool, layout: str) -> list[str]:
+    argv = ["--model", model, *LAYOUTS[layout], "--cocodiff-topology", "2x1", "--height", "64", "--width", "64",
             "--num_inference_steps", str(steps), "--prompt", "a cat", "--seed", "1"]
     return argv + (["--use_torch_compile"] if compiled else [])
 
 
-def _steps(model: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float) -> dict[str, float]:
+def _steps(model: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float, layout: str) -> dict[str, float]:
     """Median step (s) of stock and every configuration, from one job."""
     backends = ("ulysses", *CONFIGS)
     argv = ["-m", "cocodiff_xfuser.tools.generate", "--out", str(out), "--backends", ",".join(backends),
-            "--repeat", str(repeat), *_runner_argv(model, steps, compiled)]
+            "--repeat", str(repeat), *_runner_argv(model, steps, compiled, layout)]
     launcher.torchrun(2, argv, timeout=timeout)
     found = {}
     for backend in backends:
@@ -126,12 +130,12 @@ def _steps(model: str, steps: int, repeat: int, compiled: bool, out: Path, timeo
     return found
 
 
-def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float) -> dict:
+def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out: Path, timeout: float, layout: str) -> dict:
     """One configuration alone, its batches (stock: its collectives) taken out: its entry points'
     time, summed over the ranks' timed calls, and what they ran."""
     forced = [] if config == "ulysses" else ["--cocodiff-a2a", "flat-p2p" if compiled else "flat"]
     argv = ["-m", "cocodiff_xfuser.tools.bench.host", "--worker", "--out", str(out), "--backends", config, "--repeat", str(repeat),
-            *forced, *_runner_argv(model, steps, compiled)]
+            *forced, *_runner_argv(model, steps, compiled, layout)]
     launcher.torchrun(2, argv, timeout=timeout)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"rank*-{_RESULT}"))]
     total = {key: sum(r[key] for r in ranks) for key in ("decision_s", "exchange_s", "exchanges", "layers", "launches")}
@@ -144,7 +148,7 @@ def _host(model: str, config: str, steps: int, repeat: int, compiled: bool, out:
     }
 
 
-def _counts(model: str, compiled: bool, out: Path, timeout: float) -> dict[str, dict]:
+def _counts(model: str, compiled: bool, out: Path, timeout: float, layout: str = "ulysses") -> dict[str, dict]:
     """Per configuration (stock first), what its host does per attention layer at steady state,
     counted: the last calls of two jobs that differ only in their steps (:data:`COUNT_STEPS`), the
     difference over the attention layers of the steps between, the mean over the ranks; and the
@@ -158,13 +162,15 @@ def _counts(model: str, compiled: bool, out: Path, timeout: float) -> dict[str, 
     jobs = {}
     for steps in COUNT_STEPS:
         argv = ["-m", "cocodiff_xfuser.tools.bench.host", "--count", "--out", str(out / str(steps)), "--backends", ",".join(backends),
-                "--variants", str(variants), "--repeat", "2", *_runner_argv(model, steps, compiled)]
+                "--variants", str(variants), "--repeat", "2", *_runner_argv(model, steps, compiled, layout)]
         launcher.torchrun(2, argv, timeout=timeout)
         jobs[steps] = [json.loads(p.read_text()) for p in sorted((out / str(steps)).glob(f"rank*-{_COUNTS}"))]
     few, many = (jobs[steps] for steps in COUNT_STEPS)
     steps = COUNT_STEPS[1] - COUNT_STEPS[0]
-    # Stock's processors exchange twice per layer (compiled stock's exchanges are traced: not counted).
-    layers = statistics.fmean(m["cocodiff"]["exchanges"] - f["cocodiff"]["exchanges"] for f, m in zip(few, many)) / 2 / steps
+    # Stock's processors exchange twice per layer, or on the ring layout gather the ring's K/V once
+    # (compiled stock's exchanges are traced: not counted).
+    per_layer = 1 if layout == "ring" else 2
+    layers = statistics.fmean(m["cocodiff"]["exchanges"] - f["cocodiff"]["exchanges"] for f, m in zip(few, many)) / per_layer / steps
 
     def per_layer(config: str, count) -> float:
         return statistics.fmean(count(m[config]) - count(f[config]) for f, m in zip(few, many)) / (steps * layers)
@@ -186,7 +192,8 @@ def _counts(model: str, compiled: bool, out: Path, timeout: float) -> dict[str, 
     return found
 
 
-def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: float = TIMEOUT_S, rounds: int = DEFAULT_ROUNDS) -> dict:
+def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: float = TIMEOUT_S, rounds: int = DEFAULT_ROUNDS,
+        layout: str = "ulysses") -> dict:
     """The report: per configuration (stock first) and mode, the step, its ratio to stock's (medians
     over ``rounds`` jobs, each ratio within its job) and, for cocodiff's, its own host time per
     exchange and per layer (medians over ``rounds`` rounds of jobs; eager, its ratio to stock's)."""
@@ -194,11 +201,11 @@ def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: fl
     with tempfile.TemporaryDirectory(prefix="cocodiff-bench-host-") as tmp:
         for mode in modes:
             compiled = mode == "compiled"
-            jobs = [_steps(model, steps, repeat, compiled, Path(tmp) / f"steps-{mode}-{r}", timeout) for r in range(rounds)]
+            jobs = [_steps(model, steps, repeat, compiled, Path(tmp) / f"steps-{mode}-{r}", timeout, layout) for r in range(rounds)]
             rows["ulysses"][mode] = {"step_s": statistics.median(j["ulysses"] for j in jobs), "step_ratio": 1.0}
             # Compiled, stock's exchanges are traced: no Python of theirs runs per call.
             timed = CONFIGS if compiled else ("ulysses", *CONFIGS)
-            hosts = [{config: _host(model, config, steps, repeat, compiled, Path(tmp) / f"host-{mode}-{config}-{r}", timeout)
+            hosts = [{config: _host(model, config, steps, repeat, compiled, Path(tmp) / f"host-{mode}-{config}-{r}", timeout, layout)
                       for config in timed} for r in range(rounds)]
             if not compiled:
                 rows["ulysses"][mode].update(_medians([h["ulysses"] for h in hosts]))
@@ -209,9 +216,9 @@ def run(model: str, steps: int, repeat: int, modes: tuple[str, ...], timeout: fl
                 if not compiled:
                     vs_stock = [h[config]["host_s_per_layer"] / h["ulysses"]["host_s_per_layer"] for h in hosts]
                     rows[config][mode].update(host_layer_vs_stock=statistics.median(vs_stock), host_layer_vs_stock_rounds=vs_stock)
-            for config, counts in _counts(model, compiled, Path(tmp) / f"counts-{mode}", timeout).items():
+            for config, counts in _counts(model, compiled, Path(tmp) / f"counts-{mode}", timeout, layout).items():
                 rows[config][mode]["counts"] = counts
-    return {"model": model, "steps": steps, "repeat": repeat, "rounds": rounds, "targets": TARGETS, "count_steps": list(COUNT_STEPS),
+    return {"model": model, "layout": layout, "steps": steps, "repeat": repeat, "rounds": rounds, "targets": TARGETS, "count_steps": list(COUNT_STEPS),
             "count_targets": COUNT_TARGETS, "count_targets_met": _count_targets(rows, modes), "configs": list(rows.values())}
 
 
@@ -240,7 +247,9 @@ def _medians(rounds: list[dict]) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"cocodiff bench host: {report['model']}, Ulysses 2 on loopback (topology 2x1), {report['steps']} steps, "
+    degrees = " x ".join(f"{k.removeprefix('--').removesuffix('_degree').capitalize()} {v}"
+                         for k, v in zip(LAYOUTS[report["layout"]][::2], LAYOUTS[report["layout"]][1::2]))
+    print(f"cocodiff bench host: {report['model']}, {degrees} on loopback (topology 2x1), {report['steps']} steps, "
           f"median of {report['repeat']} calls, of {report['rounds']} jobs; host time with the batches taken out")
     print(f"{'configuration':<24} {'mode':<9} {'step ms':>8} {'vs stock':>9} {'us/exchange':>12} {'us/layer':>9} "
           f"{'vs stock':>9} {'launches':>9}")
@@ -286,6 +295,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                    help="jobs timing every configuration's steps, and rounds of host-time jobs (medians over them)")
     p.add_argument("--modes", default=",".join(MODES), help="eager, compiled or both, comma-separated")
+    p.add_argument("--layout", choices=tuple(LAYOUTS), default="ulysses",
+                   help="Ulysses 2 (its exchanges cross the nodes) or Ulysses 1 x Ring 2 (the ring's K/V cross them)")
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per torchrun job")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -295,7 +306,7 @@ def run_cli(args: argparse.Namespace) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"--modes: {', '.join(unknown)} not among {', '.join(MODES)}")
-    report = run(args.model, args.steps, args.repeat, modes, args.timeout, args.rounds)
+    report = run(args.model, args.steps, args.repeat, modes, args.timeout, args.rounds, args.layout)
     if args.json:
         print(json.dumps(report))
     else:
@@ -640,7 +651,9 @@ def _worker(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}-{_RESULT}").write_text(json.dumps(
-        {**timer.seconds, "exchanges": exchanges, "layers": v_first if v_first else exchanges // 2, "launches": launches}
+        # Stock's processors: two exchanges per layer, or on the ring layout one gather of its K/V.
+        {**timer.seconds, "exchanges": exchanges, "launches": launches,
+         "layers": v_first if v_first else exchanges // (1 if "--ring_degree" in argv else 2)}
     ))
 
 
