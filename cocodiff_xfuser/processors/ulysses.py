@@ -223,10 +223,17 @@ def fallback_reason(
     auto, the step's choice of processors, fixed for the transformer call
     (:attr:`~cocodiff_xfuser.vmajor.clock.Clock.to_stock`: two graphs at most, both traced in the
     trial's first call). A graph break inside a layer would send the model's whole forward to eager
-    (its loop over blocks cannot resume), so only a fall-back breaks it, at the layer's entry.
+    (its loop over blocks cannot resume), so only a fall-back breaks it, at the layer's entry; where
+    the layer has no exchange of cocodiff's (a Ulysses group of one, no V-Major on its ring), the
+    graph takes the stock processor without a break (a setting, the same on every rank).
     """
-    if torch.compiler.is_dynamo_compiling() and _v_first_in_graph(processor, extra):
-        return _stock_step(processor)
+    if torch.compiler.is_dynamo_compiling():
+        if _v_first_in_graph(processor, extra):
+            return _stock_step(processor)
+        exchanger = getattr(processor, "exchanger", None)
+        if exchanger is not None and not exchanger.closed and not _exchanges(processor):
+            commstats.traced("count_fallback", "v-first: no Ulysses exchange")
+            return "no Ulysses exchange"
     return _decide(processor, extra, inputs)
 
 
