@@ -506,11 +506,14 @@ def test_every_policy_runs_where_ulysses_and_ring_cross_nodes(tmp_path, policies
     run = Run(model="tiny-flux", ulysses_degree=4, ring_degree=2, topology="4x2", height=64, width=64)
     argv = run.argv(tuple(cells), tmp_path) + ["--variants", str(tmp_path / "variants.json")]
     launcher.torchrun(8, argv, env={DEVICE_SEMANTICS_ENV: "1"}, timeout=1440)
-    for name, (_, n) in cells.items():
+    for name, (policy_name, n) in cells.items():
         where = output_dir(tmp_path, tiny_models.SPECS["tiny-flux"].model_id, name)
         result = json.loads((where / "result.json").read_text())
         ran = result["ran"]
-        assert len(ran["v_major"]["per_step"]) == n, (name, ran["v_major"])
+        if policy_name == "top-k":  # the static paths (Ulysses and ring) count by the step's phase
+            assert set(ran["v_major"]["per_step"]) == {"first", "whole", "sparse"}, (name, ran["v_major"])
+        else:
+            assert len(ran["v_major"]["per_step"]) == n, (name, ran["v_major"])
         assert np.isfinite(np.load(where / "images.npy")).all(), name
         # Each Ulysses group runs its own autotune decisions; the communicators they share (the ring's,
         # the world's) see one order on every rank.
