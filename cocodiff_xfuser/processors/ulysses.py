@@ -43,8 +43,8 @@ except compat.IncompatibleTorch:  # the ring's K/V then stay stock's (activation
 class VFirst:
     """Base of the V-First processors: ``exchanger`` is the job's (given at installation; without
     one, or once it is closed, every call takes the stock path), ``v_major`` the layer's V-Major
-    state, when it is on, ``ring`` its transformer's V-Major on the ring's K/V, where the ring
-    crosses nodes, and ``clock`` its transformer's step clock under V-Major (auto's speed check may
+    state, when it is on, ``ring`` its ring attention's V-Major layer (on the ring's K/V, where the
+    ring crosses nodes), and ``clock`` its transformer's step clock under V-Major (auto's speed check may
     send a step's calls to the stock processor: :meth:`.Clock.stock_step`)."""
 
     exchanger: Exchanger | None = None
