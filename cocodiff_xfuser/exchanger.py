@@ -170,13 +170,15 @@ class Exchanger:
         route = self.router.route((label, x.shape, x.dtype, x.device), lambda: flat, lambda: transport.wire_bytes(x))
         return _counted(route, label), flat, unpack
 
-    def _slow_fp8(self, x: torch.Tensor, label: str) -> Exchange | None:
-        """Under ``--cocodiff-compress fp8-slow`` (None otherwise), start the exchange of ``x`` (W
-        equal destination-major chunks of rows of its last dim): node-mates get the values, ranks on
-        other nodes every row in fp8 with its scale, through the sparse exchange's routings. The
-        result has the shape ``[W, 1, rows, d]``."""
-        if self.options.compress != "fp8-slow" or self.slow_level is None or x.dtype not in compress.WIDE:
-            return None
+    def slow_fp8(self, dtype: torch.dtype) -> bool:
+        """Whether values of ``dtype`` are exchanged as fp8 over the slow level only (``--cocodiff-compress fp8-slow``)."""
+        return self.options.compress == "fp8-slow" and self.slow_level is not None and dtype in compress.WIDE
+
+    def _start_slow_fp8(self, x: torch.Tensor, label: str) -> Exchange:
+        """Start the exchange of ``x`` (W equal destination-major chunks of rows of its last dim)
+        under ``--cocodiff-compress fp8-slow``: node-mates get the values, ranks on other nodes
+        every row in fp8 with its scale, through the sparse exchange's routings. The result has the
+        shape ``[W, 1, rows, d]``."""
         world, d = self.world_size, x.shape[-1]
         chunks = x.reshape(world, 1, -1, d)
         rows = {j: compress.pack_rows(chunks[j]) for j in range(world) if not self.slow_level.fast(j)}
@@ -190,9 +192,8 @@ class Exchanger:
     def start(self, x: torch.Tensor, label: str) -> Exchange:
         """Start the equal-split all-to-all of ``x`` (chunks destination-major along the flattened data;
         the wire's values: the V-First processors, its callers, round them where V-Major reads them)."""
-        slow = self._slow_fp8(x, label)
-        if slow is not None:
-            return slow
+        if self.slow_fp8(x.dtype):
+            return self._start_slow_fp8(x, label)
         route, flat, unpack = self._flat_route(x, label)
         started = self.finish(lambda: route.start(flat), label, route.algorithm, route.where)
         return self._pending_handle(Exchange(self, started, x.shape, label, route.algorithm, route.where, unpack))
@@ -201,8 +202,8 @@ class Exchanger:
         """Start the Ulysses input exchange of same-shaped ``[b, h, s, d]`` tensors; the result is
         source-major ``[W, n, b, h/W, s, d]``. The head blocks are written once, in the order the
         chosen exchange sends (:func:`heads`; the wire's values, as the V-First processors hand them in)."""
-        if self.options.compress == "fp8-slow" and self.slow_level is not None and tensors[0].dtype in compress.WIDE:
-            return self._slow_fp8(_written(tensors, (self.world_size,), (0,)), label)
+        if self.slow_fp8(tensors[0].dtype):
+            return self._start_slow_fp8(_written(tensors, (self.world_size,), (0,)), label)
         first = tensors[0]
         b, h, s, d = first.shape
         shape = (self.world_size, len(tensors), b, h // self.world_size, s, d)
@@ -258,9 +259,8 @@ class Exchanger:
     def all_to_all(self, x: torch.Tensor, label: str = "usp") -> torch.Tensor:
         """The blocking exchange (what xfuser's ``_sdpa_all_to_all_single`` does)."""
         x = transport.wire_values(x)
-        slow = self._slow_fp8(x, label)
-        if slow is not None:
-            return slow.wait().reshape(x.shape)
+        if self.slow_fp8(x.dtype):
+            return self._start_slow_fp8(x, label).wait().reshape(x.shape)
         route, flat, unpack = self._flat_route(x, label)
         out = self.finish(lambda: route.start(flat).wait(), label, route.algorithm, route.where)
         return (out if unpack is None else unpack(out)).reshape(x.shape)

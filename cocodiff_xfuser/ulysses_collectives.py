@@ -54,7 +54,7 @@ def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str, copied: int = 
     waits for the exchange, which its reader does (:func:`wait`)."""
     if exchanger.world_size == 1:  # a Ulysses group of one (V-First for its ring's V-Major): nothing to send
         return x
-    if exchanger.options.compress == "fp8-slow" and exchanger.slow_level is not None and x.dtype in compress.WIDE:
+    if exchanger.options.compress == "fp8-slow" and exchanger.slow_fp8(x.dtype):  # (no call per exchange otherwise)
         return _slow_fp8(exchanger, x, label, copied)
     world, d = exchanger.world_size, x.shape[-1]
     fp8 = exchanger.options.compress == "fp8" and x.dtype in compress.WIDE
@@ -121,7 +121,9 @@ class InFlight:
     def __init__(self, exchanger: Exchanger, exchanged: torch.Tensor, dtype: torch.dtype,
                  timed: tuple[str, int, float, bool] | None = None) -> None:
         self.exchanger, self.exchanged, self.dtype, self.timed = exchanger, exchanged, dtype, timed
-        self.ring = None  # V's exchange: its layer's V-Major on the ring's K/V (:mod:`cocodiff_xfuser.vmajor.ring_graph`)
+
+    #: V's exchange: its layer's V-Major on the ring's K/V (:mod:`cocodiff_xfuser.vmajor.ring_graph`).
+    ring = None
 
 
 def stack(exchanger: Exchanger, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -93,7 +93,9 @@ class LayerCall:
         self.v: _InFlight | None = None  # V's exchange in flight
         #: V (destination-major) and its exchange's label, where its rows wait to ride in Q/K's exchange.
         self.v_waiting: tuple[torch.Tensor, str] | None = None
-        self.ring = None  # the layer's V-Major on the ring's K/V (:mod:`.ring_graph`)
+
+    #: The layer's V-Major on the ring's K/V (:mod:`.ring_graph`).
+    ring = None
 
 
 def start_v(exchanger, layer: policy.Layer, value: torch.Tensor, label: str) -> LayerCall:

@@ -50,10 +50,12 @@ class Gathered:
         self._caches = None
         if clock.current is None:
             commstats.traced("count_fallback", "v-major: outside a pipeline call")
-        elif _kept(layer.number, (clock.current.branch, tuple(x.shape), str(x.dtype), str(x.device))):
-            self._caches = layer.buffers[(clock.current.branch, tuple(x.shape), str(x.dtype), str(x.device))]
         else:
-            commstats.traced("count_fallback", "v-major: cache budget")
+            key = (clock.current.branch, tuple(x.shape), str(x.dtype), str(x.device))
+            if _kept(layer.number, key):
+                self._caches = layer.buffers[key]
+            else:
+                commstats.traced("count_fallback", "v-major: cache budget")
         phase, residual = clock.phase, settings.residual
         k = tokens if phase != "sparse" else policy.count(settings, clock, layer.index, 0, tokens)
         if residual is not None and sparse.whole_is_smaller(k, tokens, token_bytes(x, residual)):
