@@ -315,27 +315,6 @@ class AutoAllToAll:
         d = self.decisions.get(key)
         return d is not None and (traced or d.algorithm == d.reference or self._uses.get(key, 0) >= RECHECK_USES)
 
-    def to_dict(self) -> dict[str, Any]:
-        topology = self.registry.tapa.topology if self.registry.tapa is not None else None
-        return {
-            "version": 1,
-            "topology": None if topology is None else str(topology),
-            "decisions": [asdict(d) | {"group": list(d.group)} for d in self.decisions.values()],
-        }
-
-    def load_dict(self, data: Mapping[str, Any]) -> None:
-        """Add decisions from ``to_dict`` output; every rank must load the same data."""
-        known = {f.name for f in dataclasses.fields(Decision)}
-        for raw in data.get("decisions", []):
-            d = Decision(**{k: v for k, v in raw.items() if k in known} | {"group": tuple(raw["group"])})
-            if d.algorithm not in ALGORITHMS:
-                raise ValueError(f"invalid algorithm {d.algorithm!r} in decision {raw}")
-            if d.reference not in ("flat", "flat-p2p"):
-                raise ValueError(f"invalid reference {d.reference!r} in decision {raw}")
-            if not isinstance(d.parts, int) or d.parts < 1:
-                raise ValueError(f"invalid parts {d.parts!r} in decision {raw}")
-            self.decisions[(d.group, d.bucket_bytes, d.traced)] = d
-
     def _key(self, x: torch.Tensor, group: Any, traced: bool) -> tuple[tuple[int, ...], int, bool]:
         return transport.group_ranks(group), size_bucket(x.numel() * x.element_size()), traced
 
@@ -434,6 +413,30 @@ def pick(ratios: Mapping[str, Sequence[float]], margin: float, reference: str = 
 DECISIONS_ENV = "COCODIFF_A2A_DECISIONS"
 
 
+def dump_decisions(autotune: AutoAllToAll) -> dict[str, Any]:
+    """``autotune``'s decisions as JSON-ready data (what :func:`load_decisions` reads)."""
+    topology = autotune.registry.tapa.topology if autotune.registry.tapa is not None else None
+    return {
+        "version": 1,
+        "topology": None if topology is None else str(topology),
+        "decisions": [asdict(d) | {"group": list(d.group)} for d in autotune.decisions.values()],
+    }
+
+
+def load_decisions(autotune: AutoAllToAll, data: Mapping[str, Any]) -> None:
+    """Add decisions from :func:`dump_decisions` output to ``autotune``; every rank must load the same data."""
+    known = {f.name for f in dataclasses.fields(Decision)}
+    for raw in data.get("decisions", []):
+        d = Decision(**{k: v for k, v in raw.items() if k in known} | {"group": tuple(raw["group"])})
+        if d.algorithm not in ALGORITHMS:
+            raise ValueError(f"invalid algorithm {d.algorithm!r} in decision {raw}")
+        if d.reference not in ("flat", "flat-p2p"):
+            raise ValueError(f"invalid reference {d.reference!r} in decision {raw}")
+        if not isinstance(d.parts, int) or d.parts < 1:
+            raise ValueError(f"invalid parts {d.parts!r} in decision {raw}")
+        autotune.decisions[(d.group, d.bucket_bytes, d.traced)] = d
+
+
 class DecisionsFile:
     """``$COCODIFF_A2A_DECISIONS``: rank 0's file of decisions, loaded into ``autotune`` on every rank
     (so every rank skips the same measurements, even where the file is on storage only some ranks
@@ -461,12 +464,12 @@ class DecisionsFile:
                 f"{DECISIONS_ENV}={self.path} was measured on {measured_on}, this job is "
                 f"{provenance}; remove the file or point {DECISIONS_ENV} elsewhere"
             )
-        autotune.load_dict(data)
+        load_decisions(autotune, data)
         logger.info("cocodiff: all-to-all decisions loaded from %s", self.path)
 
     def save(self) -> None:
         """Rank 0 writes the decisions (a cost model reads them)."""
         if self.path and self._rank == 0:
-            text = json.dumps(self._autotune.to_dict() | self._provenance, indent=2)
+            text = json.dumps(dump_decisions(self._autotune) | self._provenance, indent=2)
             with open(self.path, "w") as f:
                 f.write(text)

@@ -296,36 +296,47 @@ class SparseHandle:
         self.slow_bytes = sum(self._size(level.me, j) for j in remote)
         # (The messages here are bytes: float32 rows travel at their width even where the wire is bf16.)
         self.exact_bytes = len(remote) * p * s * d * transport.wire_itemsize(x.dtype)
-        device = x.device
         mask = selection.mask(s) if index_size(selection.active.numel(), s, by_receiver) else None
-        chunks = as_bytes(x).view(w, -1).unbind(0)
-        if not two_phase:
-            sizes = [self._bytes_from(j) for j in range(w)]
-            # Other nodes' pieces, placed together per run of consecutive group ranks (back to back).
-            self._runs = runs(remote)
-            self._sizes = sizes
-            if collective:  # the backend's own all-to-all, with the split sizes both sides know
-                pieces = []
-                for j in range(w):
-                    pieces += [chunks[j]] if level.fast(j) else _payload(rows[j], mask)
-                sent = [self._full_bytes if level.fast(j) else self._size(level.me, j) for j in range(w)]
-                self._pending = flat.start_flat_all_to_all(torch.cat(pieces), group, sizes, sent)
-                self._received = self._run_buffers = None
-                return
-            inp = [chunks[j] if level.fast(j) else _joined(_payload(rows[j], mask)) for j in range(w)]
-            # Node-mates' chunks land in place (all their rows are replaced); other nodes' pieces
-            # back to back per run of ranks.
-            self._in_place = into.is_contiguous()
-            placed = into.view(w, -1).view(torch.uint8).unbind(0) if self._in_place else None
-            self._run_buffers = {run: torch.empty(sum(sizes[j] for j in run), dtype=torch.uint8, device=device) for run in self._runs}
-            remote_pieces = {j: piece for run, buffer in self._run_buffers.items()
-                             for j, piece in zip(run, buffer.split([sizes[j] for j in run]))}
-            self._received = [remote_pieces[j] if j in remote_pieces else placed[j] if self._in_place
-                              else torch.empty(sizes[j], dtype=torch.uint8, device=device) for j in range(w)]
-            self._pending = post_uneven(self._received, inp, group, "sparse one-phase")
-            return
-        # Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
-        # (after their mask) for that lane on every other node (node order).
+        chunks = as_bytes(x).view(w, -1).unbind(0)  # [W] x [P*s*d bytes]
+        if two_phase:
+            self._post_phase1(chunks, rows, mask)
+        elif collective:
+            self._post_collective(chunks, rows, mask, group)
+        else:
+            self._post_one_phase(chunks, rows, mask, group)
+
+    def _post_collective(self, chunks: Sequence[torch.Tensor], rows: Rows, mask: torch.Tensor | None, group: Any) -> None:
+        """The backend's own all-to-all, with the split sizes both sides know."""
+        level, w = self._level, len(chunks)
+        # Other nodes' pieces, placed together per run of consecutive group ranks (back to back).
+        self._runs, self._sizes = runs(level.remote), [self._bytes_from(j) for j in range(w)]
+        pieces = []
+        for j in range(w):
+            pieces += [chunks[j]] if level.fast(j) else _payload(rows[j], mask)
+        sent = [self._full_bytes if level.fast(j) else self._size(level.me, j) for j in range(w)]
+        self._pending = flat.start_flat_all_to_all(torch.cat(pieces), group, self._sizes, sent)
+        self._received = self._run_buffers = None
+
+    def _post_one_phase(self, chunks: Sequence[torch.Tensor], rows: Rows, mask: torch.Tensor | None, group: Any) -> None:
+        """Point-to-point to every rank at once: node-mates' chunks land in place (all their rows are
+        replaced), other nodes' pieces back to back per run of ranks."""
+        level, w, into, device = self._level, len(chunks), self._into, self._into.device
+        self._runs, self._sizes = runs(level.remote), [self._bytes_from(j) for j in range(w)]
+        sizes = self._sizes
+        inp = [chunks[j] if level.fast(j) else _joined(_payload(rows[j], mask)) for j in range(w)]
+        self._in_place = into.is_contiguous()
+        placed = into.view(w, -1).view(torch.uint8).unbind(0) if self._in_place else None
+        self._run_buffers = {run: torch.empty(sum(sizes[j] for j in run), dtype=torch.uint8, device=device) for run in self._runs}
+        remote_pieces = {j: piece for run, buffer in self._run_buffers.items()
+                         for j, piece in zip(run, buffer.split([sizes[j] for j in run]))}
+        self._received = [remote_pieces[j] if j in remote_pieces else placed[j] if self._in_place
+                          else torch.empty(sizes[j], dtype=torch.uint8, device=device) for j in range(w)]
+        self._pending = post_uneven(self._received, inp, group, "sparse one-phase")
+
+    def _post_phase1(self, chunks: Sequence[torch.Tensor], rows: Rows, mask: torch.Tensor | None) -> None:
+        """Phase 1 to the node-mate on each destination's lane: its own chunk, then the active rows
+        (after their mask) for that lane on every other node (node order)."""
+        level, device = self._level, self._into.device
         nodes, lanes = max(level.node) + 1, max(level.lane) + 1
         me_node = level.node[level.me]
         self._others = [n for n in range(nodes) if n != me_node]

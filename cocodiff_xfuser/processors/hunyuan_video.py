@@ -11,6 +11,30 @@ def _heads(attn, x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(2, (attn.heads, -1)).transpose(1, 2)
 
 
+def _query_key(attn, hidden_states, encoder_hidden_states, image_rotary_emb, dual: bool, text: int):
+    """Q and K as the stock processor makes them (after V's exchange started): normed, RoPE on the
+    latent tokens only, the text stream's own projections appended in dual-stream blocks."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    query = _heads(attn, attn.to_q(hidden_states))
+    key = _heads(attn, attn.to_k(hidden_states))
+    query, key = ulysses.norm_qk(attn, query, key)
+    if image_rotary_emb is not None:
+        if not dual:
+            query = torch.cat([apply_rotary_emb(query[:, :, :-text], image_rotary_emb), query[:, :, -text:]], dim=2)
+            key = torch.cat([apply_rotary_emb(key[:, :, :-text], image_rotary_emb), key[:, :, -text:]], dim=2)
+        else:
+            query = apply_rotary_emb(query, image_rotary_emb)
+            key = apply_rotary_emb(key, image_rotary_emb)
+    if dual:
+        encoder_query = _heads(attn, attn.add_q_proj(encoder_hidden_states))
+        encoder_key = _heads(attn, attn.add_k_proj(encoder_hidden_states))
+        encoder_query, encoder_key = ulysses.norm_qk(attn, encoder_query, encoder_key, added=True)
+        query = torch.cat([query, encoder_query], dim=2)
+        key = torch.cat([key, encoder_key], dim=2)
+    return query, key
+
+
 class HunyuanVideoVFirstProcessor(ulysses.VFirst):
     """``xFuserHunyuanVideoAttnProcessor`` with V projected and exchanged before Q/K norm and RoPE.
 
@@ -38,7 +62,6 @@ class HunyuanVideoVFirstProcessor(ulysses.VFirst):
 
         if ulysses.fallback_reason(self, unsupported, (hidden_states, encoder_hidden_states)) is not None:
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, *args, **kwargs)
-        from diffusers.models.embeddings import apply_rotary_emb
 
         split_text = get_runtime_state().split_text_embed_in_sp
         dual = attn.add_q_proj is not None  # dual-stream block; single-stream ones project [latent, text] together
@@ -55,22 +78,7 @@ class HunyuanVideoVFirstProcessor(ulysses.VFirst):
             value, joint_value = value.split([latent, text], dim=2)
         pending_v = ulysses.start_input_exchange(self, value, label="hunyuan_video.dual.v" if dual else "hunyuan_video.single.v")
 
-        query = _heads(attn, attn.to_q(hidden_states))
-        key = _heads(attn, attn.to_k(hidden_states))
-        query, key = ulysses.norm_qk(attn, query, key)
-        if image_rotary_emb is not None:
-            if not dual:
-                query = torch.cat([apply_rotary_emb(query[:, :, :-text], image_rotary_emb), query[:, :, -text:]], dim=2)
-                key = torch.cat([apply_rotary_emb(key[:, :, :-text], image_rotary_emb), key[:, :, -text:]], dim=2)
-            else:
-                query = apply_rotary_emb(query, image_rotary_emb)
-                key = apply_rotary_emb(key, image_rotary_emb)
-        if dual:
-            encoder_query = _heads(attn, attn.add_q_proj(encoder_hidden_states))
-            encoder_key = _heads(attn, attn.add_k_proj(encoder_hidden_states))
-            encoder_query, encoder_key = ulysses.norm_qk(attn, encoder_query, encoder_key, added=True)
-            query = torch.cat([query, encoder_query], dim=2)
-            key = torch.cat([key, encoder_key], dim=2)
+        query, key = _query_key(attn, hidden_states, encoder_hidden_states, image_rotary_emb, dual, text)
 
         if split_text:
             out = ulysses.attention(query, key, pending_v)

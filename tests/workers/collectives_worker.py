@@ -27,7 +27,7 @@ import dataclasses
 from cocodiff_xfuser import commstats
 from cocodiff_xfuser.comm import faults, functional, sparse, timing, transport
 from cocodiff_xfuser.comm.agreement import Disagreement, agree, any_rank, from_first
-from cocodiff_xfuser.comm.autotune import ALGORITHMS, AutoAllToAll, Registry, size_bucket
+from cocodiff_xfuser.comm.autotune import ALGORITHMS, AutoAllToAll, Registry, dump_decisions, load_decisions, size_bucket
 from cocodiff_xfuser.comm.flat import (
     FlatHandle, P2PHandle, flat_all_to_all, p2p_all_to_all, start_flat_all_to_all, start_p2p_all_to_all, wait_collective,
 )
@@ -533,7 +533,7 @@ def case_autotune(tmpdir: str) -> None:
                   "reference": "flat-p2p"}
         for slow_rank, expect in ((dict(hierarchical=1), "flat-p2p"), (dict(flat_p2p=2), "hierarchical")):
             tuner2 = AutoAllToAll(_slowed(hier, **slow_rank))
-            tuner2.load_dict({"decisions": [bucket]})
+            load_decisions(tuner2, {"decisions": [bucket]})
             reverted = commstats.ran()["reverted"].get("hierarchical", 0)
             picks = [tuner2.choose(xs[0]) for _ in range(autotune.RECHECK_USES - 1)]
             check(tuner2.measures(xs[0]) and picks == ["hierarchical"] * len(picks), f"before the re-check: {picks}")
@@ -583,11 +583,11 @@ def case_autotune(tmpdir: str) -> None:
             {"group": list(range(WORLD)), "bucket_bytes": 1 << 30, "algorithm": "hierarchical",
              "flat_s": 0.2, "hierarchical_s": 0.1, "some_future_field": 1}]}
         legacy = AutoAllToAll(registry)
-        legacy.load_dict(old)
+        load_decisions(legacy, old)
         legacy_d = legacy.decisions[(tuple(range(WORLD)), 1 << 30, False)]
         check(legacy_d.flat_p2p_s is None and legacy_d.reference == "flat", f"legacy decision {legacy_d}")
         try:
-            AutoAllToAll(registry).load_dict({"decisions": [dict(old["decisions"][0], algorithm="fast")]})
+            load_decisions(AutoAllToAll(registry), {"decisions": [dict(old["decisions"][0], algorithm="fast")]})
             check(False, "invalid algorithm accepted")
         except ValueError:
             pass
@@ -599,17 +599,17 @@ def case_autotune(tmpdir: str) -> None:
         path = os.path.join(tmpdir, "a2a_decisions.json")
         if RANK == 0:
             with open(path, "w") as f:
-                json.dump(tuner.to_dict(), f)
+                json.dump(dump_decisions(tuner), f)
         dist.barrier()
         loaded = AutoAllToAll(registry)
         with open(path) as f:
-            loaded.load_dict(json.load(f))
+            load_decisions(loaded, json.load(f))
         check(loaded.decisions == tuner.decisions, "JSON round trip changed decisions")
-        check(loaded.to_dict() == json.loads(json.dumps(tuner.to_dict())), "to_dict round trip")
+        check(dump_decisions(loaded) == json.loads(json.dumps(dump_decisions(tuner))), "dump_decisions round trip")
         calls = timer.calls
         check([loaded.choose(x) for x in xs] == final and timer.calls == calls, "imported decisions re-measured")
         if RANK == 0:
-            print("DECISIONS " + json.dumps(tuner.to_dict()), flush=True)
+            print("DECISIONS " + json.dumps(dump_decisions(tuner)), flush=True)
     finally:
         timing.paired = timer._orig
         logger.removeHandler(log)
