@@ -15,7 +15,6 @@ here (:mod:`cocodiff_xfuser.padding`): attention stays exact, the bits are no lo
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable, Sequence
 
 import torch
@@ -182,9 +181,11 @@ def _attend(attention_function, query, key, value, joint_attn_kwargs, attention_
         return ring_attn(attention_function, query, key, value, dropout_p=0.0, is_causal=False,
                          joint_attn_kwargs=joint_attn_kwargs, attention_kwargs=attention_kwargs)
     group = exchanger.ring_group
-    # What V-Major reads as a token of K and of V: the elements past the sequence dimension xfuser
-    # names (1) to torch's ring, where K and V are alike (None: the exact gather).
-    row = math.prod(key.shape[2:]) if key.shape == value.shape else None
+    # What V-Major ranks, a row of K and of V: one head's vector at one position (``[b, h, s, d]``,
+    # so the buffer reads as [K|V, b*h*s, d]), where K and V are alike (None: the exact gather). The
+    # sequence dimension xfuser names to torch's ring (1) is the heads' here: rows of it would be
+    # whole [s, d] planes, a handful per call, which top-k could not choose among.
+    row = key.shape[-1] if key.shape == value.shape else None
     if row is not None and ring_graph.applies(ring.settings):
         def start(buffer):
             return ring_graph.Gathered(ring, buffer, row)
