@@ -53,6 +53,9 @@ TORCH_PRIVATE_NAMES: tuple[tuple[str, str], ...] = (
     # Functional collectives: the async all-to-all xfuser itself uses, and its result type.
     ("torch.distributed._functional_collectives", "all_to_all_single"),
     ("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
+    # Eagerly, under no_grad, the functional collectives' Python autograd kernels run per call and
+    # do nothing; dispatched below autograd the same ops run without them (comm/functional.py).
+    ("torch._C", "_AutoDispatchBelowAutograd"),
     # No public setter bounds groups that already exist (xfuser's) with a new timeout.
     ("torch.distributed.distributed_c10d", "_world"),
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"),

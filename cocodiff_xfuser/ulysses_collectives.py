@@ -28,7 +28,7 @@ import torch
 
 from cocodiff_xfuser import commstats, padding
 from cocodiff_xfuser.comm import compress, functional, sparse, timing, transport
-from cocodiff_xfuser.comm.flat import ASYNC_COLLECTIVE
+from cocodiff_xfuser.comm.flat import ASYNC_COLLECTIVE, BELOW_AUTOGRAD
 from cocodiff_xfuser.exchanger import Exchanger
 from cocodiff_xfuser.ulysses_layout import heads as head_blocks
 from cocodiff_xfuser.ulysses_layout import output_blocks, output_heads, sequence
@@ -79,8 +79,9 @@ def all_to_all(exchanger: Exchanger, x: torch.Tensor, label: str, copied: int = 
 
 def _widened(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``out`` waited for, in ``dtype`` where it crossed the wire narrower."""
-    if isinstance(out, ASYNC_COLLECTIVE):  # eagerly (wait_collective's test, inlined: this runs per exchange)
-        out = out.wait()
+    if isinstance(out, ASYNC_COLLECTIVE):  # eagerly (wait_collective, inlined: this runs per exchange)
+        with BELOW_AUTOGRAD():
+            out = out.wait()
     return out if out.dtype == dtype else out.to(dtype)
 
 

@@ -35,11 +35,16 @@ class AllToAllHandle(Protocol):
 
 #: What a functional collective returns eagerly (traced, a plain tensor the graph waits for).
 ASYNC_COLLECTIVE = compat.torch_private(_FUNCTIONAL, "AsyncCollectiveTensor")
+#: Where an eager wait dispatches: below the wait's Python autograd kernel (see :mod:`.functional`).
+BELOW_AUTOGRAD = compat.torch_private("torch._C", "_AutoDispatchBelowAutograd")
 
 
 def wait_collective(t: torch.Tensor) -> torch.Tensor:
     # Under tracing functional collectives return plain tensors with the wait already inserted.
-    return t.wait() if isinstance(t, ASYNC_COLLECTIVE) else t
+    if not isinstance(t, ASYNC_COLLECTIVE):
+        return t
+    with BELOW_AUTOGRAD():  # (eagerly only: a traced tensor is never one)
+        return t.wait()
 
 
 class FlatHandle:

@@ -20,13 +20,25 @@ from . import flat
 # Looked up once, at import (a graph cannot trace the lookup; eager exchanges use the same name,
 # :mod:`.flat`).
 _all_to_all_single = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
+_below_autograd = compat.torch_private("torch._C", "_AutoDispatchBelowAutograd")
+
+
+def _issue(x: torch.Tensor, out_sizes: list[int] | None, in_sizes: list[int] | None, group: str) -> torch.Tensor:
+    """torch's functional ``all_to_all_single``. Eagerly dispatched below autograd: a pipeline call
+    runs under no_grad, where the Python autograd kernels torch registers for the collective and its
+    result's wrapper would run per exchange (a few tens of Python calls) and do nothing; the same
+    ops run. Traced, as it is (a graph holds the ops alone)."""
+    if torch.compiler.is_dynamo_compiling():
+        return _all_to_all_single(x, out_sizes, in_sizes, group)
+    with _below_autograd():
+        return _all_to_all_single(x, out_sizes, in_sizes, group)
 
 
 def all_to_all(x: torch.Tensor, group: str) -> torch.Tensor:
     """The equal-split all-to-all of ``x`` along dim 0 over ``group`` (a group name): chunk d goes
     to group rank d, chunk s of the result came from group rank s. Eagerly the result is waited for
-    on first use, traced the graph waits where inductor places the wait."""
-    return _all_to_all_single(x.contiguous(), None, None, group)
+    on first use (:func:`.flat.wait_collective`), traced the graph waits where inductor places the wait."""
+    return _issue(x.contiguous(), None, None, group)
 
 
 def aligned(nbytes: int) -> int:
@@ -38,7 +50,7 @@ def aligned(nbytes: int) -> int:
 def uneven_all_to_all(x: torch.Tensor, sizes: list[int], group: str) -> torch.Tensor:
     """The all-to-all of flat ``x`` over ``group`` in pieces of ``sizes`` both ways (piece j to and
     from group rank j: what every pair sends each other is the same size, fixed by the shapes)."""
-    return _all_to_all_single(x, sizes, sizes, group)
+    return _issue(x, sizes, sizes, group)
 
 
 def levels_all_to_all(x: torch.Tensor, levels: Sequence[int], groups: Sequence[str]) -> torch.Tensor:

@@ -64,7 +64,12 @@ def launchable(kernel):
 def usable(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels run on these tensors: :func:`runs_on` their device, rows contiguous,
     values in float32 or bf16 (the payload's bytes aside)."""
-    return all(t is None or (runs_on(t) and t.is_contiguous() and t.dtype in _DTYPES) for t in tensors)
+    if triton is None:
+        return False
+    for t in tensors:  # (runs_on inlined, no generator: this runs several times per V-Major layer)
+        if t is not None and not ((_INTERPRETED or t.device.type in _DEVICES) and t.is_contiguous() and t.dtype in _DTYPES):
+            return False
+    return True
 
 
 def encode_int4(x: torch.Tensor, reference: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:

@@ -241,25 +241,28 @@ def post(
     the batch, the same way on every rank (the order audit, fault messages; default role: the
     group's size); ``buffers`` are kept alive until the batch completes."""
     me, world = group_info(group)
-    recvs = [(src, p) for i in range(1, world) for src in [(me - i) % world] for p in recv[src] if p.numel()]
-    sends = [(dst, p) for i in range(1, world) for dst in [(me + i) % world] for p in send[dst] if p.numel()]
+    # (One loop, not comprehensions: each is a Python call, and this runs per batch.)
+    recvs, sends = [], []  # (the operation, group peer, piece), receives from me-1, me-2, ..., sends to me+1, ...
     landing: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, what the wire delivers into)
+    for i in range(1, world):
+        src, dst = (me - i) % world, (me + i) % world
+        for p in recv[src]:
+            if p.numel():
+                if _wire_float is not None and p.dtype == torch.float32:  # (_rounds inlined)
+                    landing.append((p, torch.empty_like(p, dtype=_wire_float)))
+                    p = landing[-1][1]
+                recvs.append((dist.irecv, src, p))
+        for p in send[dst]:
+            if p.numel():
+                sends.append((dist.isend, dst, on_wire(p)))
     if _wire_float is not None:
-        sends = [(dst, on_wire(p)) for dst, p in sends]
-        landing = [(p, torch.empty_like(p, dtype=_wire_float)) for _, p in recvs if _rounds(p)]
-        wire = {id(p): w for p, w in landing}
-        recvs = [(src, wire.get(id(p), p)) for src, p in recvs]
-        buffers = (*buffers, *(p for _, p in sends), *(w for _, w in landing))
+        buffers = (*buffers, *(p for _, _, p in sends), *(w for _, w in landing))
     launched(group, what, role=role)
     where = f"{what} ({role or f'group of {world}'})"
-    device = next((p.device for _, p in recvs + sends), None)
-    if device is None:
+    if not recvs and not sends:
         return Completion([], "", group, where)
-    backend = backend_name(group, device)
-    how = _order(backend)
-    ops = [(dist.irecv, src, p) for src, p in recvs] + [(dist.isend, dst, p) for dst, p in sends]
-    if how == "sends first":
-        ops = ops[len(recvs):] + ops[: len(recvs)]
+    backend = backend_name(group, (recvs or sends)[0][2].device)
+    ops = sends + recvs if _order(backend) == "sends first" else recvs + sends
     if _traces:
         _traces[-1].append((where, [("recv" if op is dist.irecv else "send", peer, p.numel() * p.element_size()) for op, peer, p in ops]))
     if _device_semantics and backend in _RECEIVES_FIRST:
@@ -273,9 +276,11 @@ def post(
 
 def _post_each(ops: list[tuple[Any, int, torch.Tensor]], group: Any) -> list[Any]:
     """Post ``ops`` one by one, in order: what ``batch_isend_irecv`` does on a backend that does not
-    coalesce (gloo), without its per-op objects and checks (tens of µs per batch)."""
-    return [dist.isend(p, group=group, tag=TAG, group_dst=peer) if op is dist.isend else dist.irecv(p, group=group, tag=TAG, group_src=peer)
-            for op, peer, p in ops]
+    coalesce (gloo), without its per-op objects and checks (tens of µs per batch). Through the
+    process group's own ``send``/``recv``, where ``isend``/``irecv`` end: their checks (a member
+    rank, a real tensor, the group rank) hold here by construction and cost Python calls per message."""
+    pg = group if group is not None else dist.group.WORLD
+    return [pg.send([p], peer, TAG) if op is dist.isend else pg.recv([p], peer, TAG) for op, peer, p in ops]
 
 
 def _replay(ops: list[tuple[Any, int, torch.Tensor]], group: Any, where: str) -> list[Any]:
