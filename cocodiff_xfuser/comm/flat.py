@@ -35,7 +35,7 @@ class AllToAllHandle(Protocol):
 
 #: What a functional collective returns eagerly (traced, a plain tensor the graph waits for).
 ASYNC_COLLECTIVE = compat.torch_private(_FUNCTIONAL, "AsyncCollectiveTensor")
-#: Where an eager wait dispatches: below the wait's Python autograd kernel (see :mod:`.functional`).
+#: Where eager collectives and their waits dispatch: below torch's Python autograd kernels (see :mod:`.functional`).
 BELOW_AUTOGRAD = compat.torch_private("torch._C", "_AutoDispatchBelowAutograd")
 
 

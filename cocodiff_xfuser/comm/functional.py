@@ -20,7 +20,6 @@ from . import flat
 # Looked up once, at import (a graph cannot trace the lookup; eager exchanges use the same name,
 # :mod:`.flat`).
 _all_to_all_single = compat.torch_private("torch.distributed._functional_collectives", "all_to_all_single")
-_below_autograd = compat.torch_private("torch._C", "_AutoDispatchBelowAutograd")
 
 
 def _issue(x: torch.Tensor, out_sizes: list[int] | None, in_sizes: list[int] | None, group: str) -> torch.Tensor:
@@ -30,7 +29,7 @@ def _issue(x: torch.Tensor, out_sizes: list[int] | None, in_sizes: list[int] | N
     ops run. Traced, as it is (a graph holds the ops alone)."""
     if torch.compiler.is_dynamo_compiling():
         return _all_to_all_single(x, out_sizes, in_sizes, group)
-    with _below_autograd():
+    with flat.BELOW_AUTOGRAD():
         return _all_to_all_single(x, out_sizes, in_sizes, group)
 
 
